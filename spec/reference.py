@@ -1,0 +1,154 @@
+"""Slow, obviously-correct reference versions of every reorder computation (plain Python, no torch).
+
+Nothing here imports `reorder`; tests hold the implementation against these functions.
+Conventions follow ../shared/DESIGN.md: B samples per global micro-batch, grid G = lcm(dp sizes),
+group j holds canonical positions [j*B/G, (j+1)*B/G), a module with DP size d gives rank r the
+positions [r*B/d, (r+1)*B/d).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def canonical_grid(dp_sizes):
+    """G = lcm of the module DP sizes (each must be >= 1)."""
+    g = 1
+    for d in dp_sizes:
+        if d < 1:
+            raise ValueError(f"dp size must be >= 1, got {d}")
+        g = g * d // math.gcd(g, d)
+    return g
+
+
+def covered_groups(dp, groups, rank):
+    """Groups rank `rank` of a module with DP size `dp` covers on a grid of `groups`."""
+    per = groups // dp
+    return [j for j in range(groups) if j // per == rank]
+
+
+def owner(group, dp, groups):
+    """Rank (of a module with DP size `dp`) that owns canonical group `group`."""
+    for r in range(dp):
+        if group in covered_groups(dp, groups, r):
+            return r
+    raise ValueError(group)
+
+
+def natural_rank(index, batch, dp):
+    """Rank that reads global position `index` under scalable reads (contiguous 1/dp share)."""
+    share = batch // dp
+    return index // share
+
+
+def sample_cost(input_ids_row, attention_row, *, image_token_id, spatial_merge_size,
+                encoder_weight, language_weight):
+    """encoder_weight * placeholders * merge^2 + language_weight * real tokens, for one sample."""
+    placeholders = 0
+    for t in input_ids_row:
+        if t == image_token_id:
+            placeholders += 1
+    cost = encoder_weight * (placeholders * spatial_merge_size * spatial_merge_size)
+    if language_weight != 0:
+        real = 0
+        for m in attention_row:
+            if m:
+                real += 1
+        cost = cost + language_weight * real
+    return float(cost)
+
+
+def lpt_order(costs, groups):
+    """Equal-count LPT (DESIGN section 5), returns canonical order (position -> sample index).
+
+    Visit samples by (-cost, index); each goes to the non-full group with the smallest
+    (load, group index); canonical order = groups in order, members in insertion order.
+    """
+    n = len(costs)
+    if n % groups:
+        raise ValueError("B % G != 0")
+    cap = n // groups
+    members = [[] for _ in range(groups)]
+    loads = [0.0] * groups
+    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
+        best = None
+        for j in range(groups):
+            if len(members[j]) == cap:
+                continue
+            if best is None or (loads[j], j) < (loads[best], best):
+                best = j
+        members[best].append(i)
+        loads[best] = loads[best] + costs[i]
+    return [i for m in members for i in m]
+
+
+def group_loads(costs, order, groups):
+    """Sum of costs of each group's members under a canonical order."""
+    cap = len(order) // groups
+    loads = []
+    for j in range(groups):
+        total = 0.0
+        for p in range(j * cap, (j + 1) * cap):
+            total += costs[order[p]]
+        loads.append(total)
+    return loads
+
+
+def canonical_position(order):
+    """Inverse of the order: sample index -> canonical position."""
+    pos = {}
+    for p, i in enumerate(order):
+        pos[i] = p
+    return [pos[i] for i in range(len(order))]
+
+
+def new_owner(index, order, batch, dp):
+    """Rank of a module with DP size dp that holds sample `index` after reordering."""
+    return canonical_position(order)[index] // (batch // dp)
+
+
+def window_routes(orders, batch, dp, rank):
+    """Sends and receives of `rank` for a window; orders[slot] is that slot's canonical order.
+
+    Returns (sends, recvs): sends[q] / recvs[q] are lists of (slot, sample index) in
+    (slot, canonical position) order. A sample that stays appears in sends[rank] and recvs[rank].
+    """
+    sends = {q: [] for q in range(dp)}
+    recvs = {q: [] for q in range(dp)}
+    for slot, order in enumerate(orders):
+        pos = canonical_position(order)
+        for i in sorted(range(batch), key=lambda i: pos[i]):
+            src = natural_rank(i, batch, dp)
+            dst = pos[i] // (batch // dp)
+            if src == rank:
+                sends[dst].append((slot, i))
+            if dst == rank:
+                recvs[src].append((slot, i))
+    return sends, recvs
+
+
+def reassemble(orders, samples, batch, dp, rank):
+    """What `rank` holds after the exchange: per slot, samples[slot][i] for its canonical positions."""
+    share = batch // dp
+    return [[samples[slot][order[p]] for p in range(rank * share, (rank + 1) * share)]
+            for slot, order in enumerate(orders)]
+
+
+def bridge_fanout(vision_batches, dp_vision, dp_language):
+    """BridgeCommunicator fan-out model: vision replica i's batch, split by position, goes to
+    language ranks [i*k, (i+1)*k), k = dp_language / dp_vision. Returns per-language-rank lists."""
+    k = dp_language // dp_vision
+    out = []
+    for i in range(dp_vision):
+        b = vision_batches[i]
+        per = len(b) // k
+        for j in range(k):
+            out.append(list(b[j * per:(j + 1) * per]))
+    return out
+
+
+def bridge_fanin(language_batches, dp_vision, dp_language):
+    """Fan-in model: vision replica i receives language ranks [i*k, (i+1)*k) concatenated."""
+    k = dp_language // dp_vision
+    return [[s for j in range(i * k, (i + 1) * k) for s in language_batches[j]]
+            for i in range(dp_vision)]
