@@ -1,0 +1,169 @@
+"""Reorder configuration: the upstream `megatron_mimo_*` fields, their rules, and a layout check.
+
+`ReorderConfig` carries the six field names and defaults of upstream Megatron-Bridge (DESIGN section
+7) plus this library's own knobs (balancer, token ids, spatial merge size). It validates itself on
+construction; every error is a ValueError naming the field and its value. Build it directly, from any
+object or mapping carrying those attributes (`from_object`, e.g. a Megatron-Bridge dataset config),
+or from training-script flags (`add_reorder_args` + `from_args`).
+
+Flag `--intra-microbatch-reorder` also sets `megatron_mimo_scalable_dp` (reordering balances the
+fixed 1/dp shares that scalable reads give each rank, so it is meaningless without them). A config
+built any other way must set both: `from_object` never turns scalable reads on by itself, because they
+change which samples each rank loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReorderConfig:
+    """Validated reorder settings (frozen). Field names of the first six follow upstream."""
+
+    megatron_mimo_scalable_dp: bool = False
+    megatron_mimo_intra_microbatch_reorder: bool = False
+    megatron_mimo_reorder_encoder_cost_weight: float = 1.0
+    megatron_mimo_reorder_language_cost_weight: float = 0.0
+    megatron_mimo_reorder_overlap: bool = True
+    megatron_mimo_reorder_window_size: int = 1
+    balancer: str = "lpt"
+    image_token_id: int = 248056
+    vision_start_token_id: int = 248053
+    spatial_merge_size: int = 2
+
+    def __post_init__(self):
+        for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
+                     "megatron_mimo_reorder_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        if self.megatron_mimo_intra_microbatch_reorder and not self.megatron_mimo_scalable_dp:
+            raise ValueError("megatron_mimo_intra_microbatch_reorder=True requires "
+                             "megatron_mimo_scalable_dp=True: reordering balances the 1/dp shares of "
+                             "scalable reads; set both (flag --intra-microbatch-reorder does)")
+        for name in ("megatron_mimo_reorder_encoder_cost_weight",
+                     "megatron_mimo_reorder_language_cost_weight"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise ValueError(f"{name}={w!r}: must be a finite number >= 0")
+            object.__setattr__(self, name, float(w))
+        if self.megatron_mimo_reorder_encoder_cost_weight == 0 == self.megatron_mimo_reorder_language_cost_weight:
+            raise ValueError("megatron_mimo_reorder_encoder_cost_weight=0.0 and "
+                             "megatron_mimo_reorder_language_cost_weight=0.0: at least one cost weight "
+                             "must be > 0, otherwise every sample costs 0 and there is nothing to balance")
+        for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("spatial_merge_size", 1),
+                              ("image_token_id", 0), ("vision_start_token_id", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
+        if self.image_token_id == self.vision_start_token_id:
+            raise ValueError(f"image_token_id={self.image_token_id} equals vision_start_token_id="
+                             f"{self.vision_start_token_id}: they must be different tokens")
+        if not isinstance(self.balancer, str):
+            raise ValueError(f"balancer={self.balancer!r}: must be a balancer name (str)")
+        from reorder.balancers import get_balancer
+        get_balancer(self.balancer)  # raises ValueError naming balancer= and the known names
+
+    # -- convenience ---------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.megatron_mimo_intra_microbatch_reorder
+
+    @property
+    def encoder_weight(self) -> float:
+        return self.megatron_mimo_reorder_encoder_cost_weight
+
+    @property
+    def language_weight(self) -> float:
+        return self.megatron_mimo_reorder_language_cost_weight
+
+    @property
+    def overlap(self) -> bool:
+        return self.megatron_mimo_reorder_overlap
+
+    @property
+    def window_size(self) -> int:
+        return self.megatron_mimo_reorder_window_size
+
+    @property
+    def needs_attention_mask(self) -> bool:
+        """The language cost counts real tokens, so every rank must load attention_mask."""
+        return self.language_weight > 0
+
+    # -- builders ------------------------------------------------------------------------------
+    @classmethod
+    def from_object(cls, obj, **overrides) -> "ReorderConfig":
+        """Read every field from attributes (or keys, for a mapping) of `obj`; missing or None values
+        take the default. Keyword `overrides` win over `obj`."""
+        kwargs = {}
+        for f in fields(cls):
+            v = obj.get(f.name) if isinstance(obj, Mapping) else getattr(obj, f.name, None)
+            if v is not None:
+                kwargs[f.name] = v
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace) -> "ReorderConfig":
+        """Build from a namespace parsed with `add_reorder_args` (its dests are the field names)."""
+        return cls.from_object(namespace)
+
+
+class _EnableReorder(argparse.Action):
+    """--intra-microbatch-reorder: turn reordering on, and scalable reads with it."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        namespace.megatron_mimo_scalable_dp = True
+
+
+def add_reorder_args(parser: argparse.ArgumentParser):
+    """Add the reorder flags to `parser` (dests = ReorderConfig field names); returns the group."""
+    from reorder.balancers import BALANCERS
+
+    d = ReorderConfig()
+    g = parser.add_argument_group("intra-micro-batch reorder")
+    g.add_argument("--scalable-dp", dest="megatron_mimo_scalable_dp", action="store_true",
+                   help="each DP rank reads a fixed contiguous 1/dp share of every global micro-batch")
+    g.add_argument("--intra-microbatch-reorder", dest="megatron_mimo_intra_microbatch_reorder",
+                   action=_EnableReorder, help="rebalance each micro-batch across the module's DP "
+                   "group (implies --scalable-dp)")
+    g.add_argument("--reorder-encoder-cost-weight", dest="megatron_mimo_reorder_encoder_cost_weight",
+                   type=float, default=d.encoder_weight, help="cost per image-placeholder token")
+    g.add_argument("--reorder-language-cost-weight", dest="megatron_mimo_reorder_language_cost_weight",
+                   type=float, default=d.language_weight, help="cost per real (attended) token")
+    g.add_argument("--no-overlap-intra-microbatch-reorder", dest="megatron_mimo_reorder_overlap",
+                   action="store_false", help="run each window's exchange synchronously")
+    g.add_argument("--reorder-window-size", dest="megatron_mimo_reorder_window_size", type=int,
+                   default=d.window_size, help="micro-batches balanced by one exchange")
+    g.add_argument("--reorder-balancer", dest="balancer", default=d.balancer,
+                   help=f"assignment algorithm, one of {sorted(BALANCERS)}")
+    return g
+
+
+def check_model_layout(*, encoder_pp: int, encoder_dp: int, language_dp: int,
+                       fixed_width_padding: bool) -> None:
+    """Reject model layouts reorder cannot serve; each ValueError says what to change."""
+    for name, v in (("encoder_pp", encoder_pp), ("encoder_dp", encoder_dp), ("language_dp", language_dp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+    if encoder_pp > 1:
+        raise ValueError(f"encoder_pp={encoder_pp}: reorder does not support a pipeline-parallel "
+                         f"vision encoder; set the encoder's pipeline-parallel size to 1")
+    if encoder_dp > language_dp:
+        raise ValueError(f"encoder_dp={encoder_dp} > language_dp={language_dp}: MimoModel's fan-in "
+                         f"path asserts on variable image-token counts; give the language module at "
+                         f"least the encoder's DP size")
+    if language_dp % encoder_dp:
+        raise ValueError(f"language_dp={language_dp} is not a multiple of encoder_dp={encoder_dp}: "
+                         f"each encoder replica must feed a whole number of language replicas")
+    if fixed_width_padding is not True:
+        raise ValueError(f"fixed_width_padding={fixed_width_padding!r}: reorder concatenates samples "
+                         f"from other ranks, so every sample must be padded to the same fixed sequence "
+                         f"length; pad to the configured seq_length instead of the longest in the batch")

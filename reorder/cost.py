@@ -1,0 +1,60 @@
+"""Per-sample cost from fields identical on every module and PP stage (input_ids, attention_mask).
+
+cost = encoder_weight * placeholders * spatial_merge_size**2 + language_weight * real_tokens.
+Never the padded length, never grid_thw or pixels (absent on language ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    """Weights and token ids of the linear cost model; validated on construction."""
+
+    encoder_weight: float = 1.0
+    language_weight: float = 0.0
+    image_token_id: int = 248056
+    vision_start_token_id: int = 248053
+    spatial_merge_size: int = 2
+
+    def __post_init__(self):
+        for name in ("encoder_weight", "language_weight"):
+            w = getattr(self, name)
+            if not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise ValueError(f"{name}={w!r} is invalid: cost weights must be finite and >= 0")
+        if self.encoder_weight == 0 and self.language_weight == 0:
+            raise ValueError("encoder_weight=0 and language_weight=0: at least one cost weight must be > 0")
+        if not isinstance(self.spatial_merge_size, int) or self.spatial_merge_size < 1:
+            raise ValueError(f"spatial_merge_size={self.spatial_merge_size!r} is invalid: must be an integer >= 1")
+
+    def token_counts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """Integer counts per sample: (placeholders, real_tokens, images), each int64 [B] on CPU."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [B, S]")
+        placeholders = (input_ids == self.image_token_id).sum(dim=1)
+        images = (input_ids == self.vision_start_token_id).sum(dim=1)
+        if attention_mask is None:
+            if self.language_weight > 0:
+                raise ValueError(f"attention_mask is missing but language_weight={self.language_weight}: "
+                                 "load attention_mask on every rank or set language_weight=0")
+            real = torch.zeros_like(placeholders)
+        else:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0]:
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected "
+                                 f"[B, S] = {tuple(input_ids.shape)} for the language cost")
+            real = (attention_mask != 0).sum(dim=1)
+        return placeholders.cpu(), real.cpu(), images.cpu()
+
+    def costs(self, placeholders, real_tokens) -> np.ndarray:
+        """float64 [B] costs from integer counts (array-like); same bits on every rank."""
+        p = np.asarray(placeholders, dtype=np.float64)
+        r = np.asarray(real_tokens, dtype=np.float64)
+        merge2 = float(self.spatial_merge_size * self.spatial_merge_size)
+        return self.encoder_weight * (p * merge2) + self.language_weight * r if self.language_weight \
+            else self.encoder_weight * (p * merge2)

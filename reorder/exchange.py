@@ -1,0 +1,287 @@
+"""Window exchange: one rank's full reorder of W micro-batches, over any `Collectives`.
+
+Per window: compute integer counts locally (cost inputs, images, patch rows, list bytes), one
+metadata all-gather of a fixed-size int64 tensor (header + error/layout text + counts), the same
+plan on every rank, one ragged all_to_all of packed samples, reassembly in canonical order.
+A local validation error travels in the all-gather so every rank raises the same ReorderError.
+A module with DP size 1 permutes locally with no communication.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from reorder import packing
+from reorder.collectives import Collectives
+from reorder.cost import CostModel
+from reorder.grid import Grid, check_global_batch
+from reorder.layout import LayoutError, describe, rebuild
+from reorder.plan import plan_orders, rank_loads
+from reorder.routes import window_routes
+
+MAGIC = 0x52454F52  # "REOR"
+HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
+          "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size")
+TEXT_BYTES = 1024
+COLS = 5  # placeholders, real tokens, images, patch rows, list bytes
+
+
+class ReorderError(ValueError):
+    """Raised identically on every rank of a DP group when any rank found bad input or config."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowReport:
+    """What one window exchange did, from this rank's view (module-wide figures where named)."""
+
+    slots: int
+    orders: np.ndarray  # [W, B] canonical orders
+    loads_before: np.ndarray  # [W, dp] per-rank cost, natural assignment
+    loads_after: np.ndarray  # [W, dp] per-rank cost after reordering
+    moved_samples: int  # module-wide: samples whose rank changed
+    total_samples: int  # module-wide: W * B
+    moved_bytes: int  # module-wide payload bytes of moved samples
+    sent_bytes: int  # this rank's all_to_all send size
+    plan_ms: float
+    exchange_ms: float
+
+    @property
+    def max_before(self) -> float:
+        return float(self.loads_before.max(axis=1).sum())
+
+    @property
+    def max_after(self) -> float:
+        return float(self.loads_after.max(axis=1).sum())
+
+    @property
+    def spread_before(self) -> float:
+        return _spread(self.loads_before)
+
+    @property
+    def spread_after(self) -> float:
+        return _spread(self.loads_after)
+
+
+def _spread(loads):
+    mean = loads.mean(axis=1)
+    ok = mean > 0
+    return float((loads.max(axis=1)[ok] / mean[ok]).mean()) if ok.any() else 1.0
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _text_to_int64(text: str) -> torch.Tensor:
+    data = text.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0")
+    return torch.frombuffer(bytearray(data), dtype=torch.int64).clone()
+
+
+def _int64_to_text(t: torch.Tensor) -> str:
+    return t.numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+class WindowExchanger:
+    """Reorders windows of micro-batches for one rank of one module.
+
+    grid: this rank's place (G, dp, rank); global_batch: B; cost: the cost model; balancer: name;
+    window_size: most slots per window (metadata is sized for it); collectives: the module's DP
+    group (None only when dp == 1); batch_dims: overrides of per-field batch dims.
+    """
+
+    def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "lpt",
+                 window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None):
+        check_global_batch(global_batch, grid.groups)
+        if not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
+        if grid.dp > 1 and collectives is None:
+            raise ValueError(f"dp={grid.dp} needs collectives over the module's DP group")
+        if collectives is not None and (collectives.size != grid.dp or collectives.rank != grid.rank):
+            raise ValueError(f"collectives has rank {collectives.rank} of {collectives.size} but the grid says "
+                             f"rank {grid.rank} of dp {grid.dp}")
+        plan_orders(np.zeros((1, global_batch)), grid.groups, balancer)  # validates the balancer name
+        self.grid, self.global_batch, self.cost, self.balancer = grid, global_batch, cost, balancer
+        self.window_size, self.collectives, self.batch_dims = window_size, collectives, batch_dims
+        self.local_batch = global_batch // grid.dp
+
+    # ---- local part -------------------------------------------------------------------------
+
+    def _prepare(self, batches):
+        if not 1 <= len(batches) <= self.window_size:
+            raise ValueError(f"window has {len(batches)} micro-batches: expected 1..window_size={self.window_size}")
+        layouts, shards, counts = [], [], []
+        for slot, batch in enumerate(batches):
+            layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
+                                     batch_dims=self.batch_dims)
+            if layouts and layout != layouts[0]:
+                raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
+                                  f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
+            placeholders, real, images = self.cost.token_counts(batch["input_ids"], batch.get("attention_mask"))
+            rows = torch.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts
+            if shard.row_counts is not None:
+                merge2 = self.cost.spatial_merge_size ** 2
+                bad = (placeholders * merge2 != rows).nonzero()
+                if len(bad):
+                    i = int(bad[0, 0])
+                    raise LayoutError(f"micro-batch {slot} sample {i}: input_ids holds {int(placeholders[i])} image "
+                                      f"placeholders (x{merge2} = {int(placeholders[i]) * merge2} patches) but grid_thw "
+                                      f"gives it {int(rows[i])} patch rows: image counts are mis-sourced or "
+                                      f"image_token_id / spatial_merge_size is wrong")
+            blobs = shard.list_blobs()
+            lb = torch.tensor([len(x) for x in blobs], dtype=torch.int64)
+            layouts.append(layout)
+            shards.append((shard, blobs))
+            counts.append(torch.stack([placeholders, real, images, rows, lb], dim=1))
+        return layouts[0], shards, torch.stack(counts)
+
+    def _header(self, error: bool, slots: int, layout_text: str) -> list:
+        c = self.cost
+        return [MAGIC, int(error), slots, self.global_batch, self.grid.groups, self.grid.dp,
+                _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), c.spatial_merge_size, c.image_token_id,
+                c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
+                self.window_size]
+
+    def _check(self, gathered: torch.Tensor):
+        """Raise the same ReorderError on every rank if any rank failed or configs differ."""
+        h = len(HEADER)
+        head, texts = gathered[:, :h], gathered[:, h:h + TEXT_BYTES // 8]
+        errors = [(q, _int64_to_text(texts[q])) for q in range(gathered.shape[0]) if int(head[q, 1])]
+        if errors:
+            raise ReorderError("reorder failed on " + "; ".join(f"rank {q}: {m}" for q, m in errors))
+        for j, name in enumerate(HEADER):
+            col = head[:, j].tolist()
+            if len(set(col)) > 1:
+                if name == "layout":
+                    sigs = {v: _int64_to_text(texts[q]) for q, v in enumerate(col)}
+                    detail = "; ".join(f"ranks {[q for q, v in enumerate(col) if v == k]}: {s}" for k, s in sigs.items())
+                    raise ReorderError(f"batch layout differs across ranks (fields, dtypes and per-sample shapes "
+                                       f"must match: pad to a fixed sequence length): {detail}")
+                if name in ("encoder_weight", "language_weight"):
+                    col = [struct.unpack("<d", struct.pack("<q", v))[0] for v in col]
+                if name == "balancer":
+                    col = [f"crc32:{v:08x}" for v in col]
+                raise ReorderError(f"config mismatch across the DP group: {name} is "
+                                   + ", ".join(f"{v!r} on ranks {[q for q, x in enumerate(col) if x == v]}"
+                                               for v in dict.fromkeys(col)))
+
+    # ---- the exchange -----------------------------------------------------------------------
+
+    def exchange(self, batches: list) -> tuple[list, WindowReport]:
+        """Reorder one window (1..window_size micro-batches of this rank); returns the reordered
+        micro-batches (same structure, canonical order) and a report. Raises ReorderError on every
+        rank together when any rank's input is bad."""
+        t0 = time.perf_counter()
+        batches = list(batches)
+        error, local = None, None
+        try:
+            local = self._prepare(batches)
+        except (ValueError, TypeError, KeyError) as e:
+            error = e
+        dp, b, B, W = self.grid.dp, self.local_batch, self.global_batch, len(batches)
+        if dp == 1:
+            if error is not None:
+                raise ReorderError(f"reorder failed on rank 0: {error}") from error
+            return self._local(batches, local, t0)
+        layout_text = local[0].signature() if local else ""
+        text = str(error) if error is not None else layout_text
+        meta = torch.zeros(len(HEADER) + TEXT_BYTES // 8 + self.window_size * b * COLS, dtype=torch.int64)
+        meta[:len(HEADER)] = torch.tensor(self._header(error is not None, W, layout_text), dtype=torch.int64)
+        meta[len(HEADER):len(HEADER) + TEXT_BYTES // 8] = _text_to_int64(text)
+        if local is not None:
+            meta[len(HEADER) + TEXT_BYTES // 8:len(HEADER) + TEXT_BYTES // 8 + W * b * COLS] = local[2].reshape(-1)
+        gathered = self.collectives.all_gather(meta)
+        self._check(gathered)
+        layout, shards, _ = local
+        counts = gathered[:, len(HEADER) + TEXT_BYTES // 8:].reshape(dp, self.window_size, b, COLS)[:, :W]
+        counts = counts.permute(1, 0, 2, 3).reshape(W, B, COLS).numpy()  # natural order per slot
+        t_plan = time.perf_counter()
+        costs = self.cost.costs(counts[..., 0], counts[..., 1])
+        orders = plan_orders(costs, self.grid.groups, self.balancer)
+        routes = window_routes(orders, dp, self.grid.rank)
+        plan_ms = (time.perf_counter() - t_plan) * 1e3
+        flat = counts.reshape(W * B, COLS)
+
+        def piece_sizes(natural_ids):
+            """[W] packed bytes of the samples `natural_ids` (flat slot*B + j), per slot."""
+            slot = natural_ids // B
+            out = []
+            for s in range(W):
+                sel = flat[natural_ids[slot == s]]
+                out.append(packing.nbytes(layout, len(sel), int(sel[:, 3].sum()), int(sel[:, 2].sum()),
+                                          int(sel[:, 4].sum())))
+            return out
+
+        r = self.grid.rank
+        send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
+        send_sizes = [piece_sizes(ids) for ids in send_nat]
+        recv_sizes = [piece_sizes(ids) for ids in routes.recv_natural]
+        device = batches[0]["input_ids"].device
+        send = torch.empty(sum(map(sum, send_sizes)), dtype=torch.uint8, device=device)
+        off = 0
+        for q in range(dp):
+            ids = routes.send_index[q]
+            for s in range(W):
+                local_idx = ids[ids // b == s] % b
+                size = send_sizes[q][s]
+                if size:
+                    written = packing.pack(layout, shards[s][0], local_idx, send[off:off + size], blobs=shards[s][1])
+                    assert written == size, (written, size)
+                off += size
+        recv = self.collectives.all_to_all(send, [sum(x) for x in send_sizes], [sum(x) for x in recv_sizes])
+        if len(recv) != sum(map(sum, recv_sizes)):
+            raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {sum(map(sum, recv_sizes))}")
+        pieces, off = {}, 0
+        for q in range(dp):
+            ids = routes.recv_natural[q]
+            for s in range(W):
+                sel = flat[ids[ids // B == s]]
+                size = recv_sizes[q][s]
+                pieces[q, s] = packing.unpack(layout, recv[off:off + size], len(sel), torch.from_numpy(sel[:, 3]),
+                                              torch.from_numpy(sel[:, 2]), sel[:, 4])
+                off += size
+        out = []
+        for s in range(W):
+            sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if q != r]
+            g = routes.gather[s]
+            if len(np.unique(g)) != b or g.min() < 0 or g.max() >= sum(x.n for x in sources):
+                raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
+            out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
+        moved = orders_moved(orders, dp)
+        sample_bytes = (layout.dense_sample_bytes + flat[:, 3] * layout.row_bytes + flat[:, 2] * layout.image_bytes
+                        + flat[:, 4])
+        report = WindowReport(slots=W, orders=orders, loads_before=rank_loads(costs, None, dp),
+                              loads_after=rank_loads(costs, orders, dp), moved_samples=int(moved.sum()),
+                              total_samples=W * B, moved_bytes=int(sample_bytes[moved.reshape(-1)].sum()),
+                              sent_bytes=int(len(send)), plan_ms=plan_ms,
+                              exchange_ms=(time.perf_counter() - t0) * 1e3)
+        return out, report
+
+    def _local(self, batches, local, t0):
+        layout, shards, counts = local
+        counts = counts.numpy()
+        t_plan = time.perf_counter()
+        costs = self.cost.costs(counts[..., 0], counts[..., 1])
+        orders = plan_orders(costs, self.grid.groups, self.balancer)
+        plan_ms = (time.perf_counter() - t_plan) * 1e3
+        out = [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))
+               for s, (batch, (shard, _)) in enumerate(zip(batches, shards))]
+        report = WindowReport(slots=len(batches), orders=orders, loads_before=rank_loads(costs, None, 1),
+                              loads_after=rank_loads(costs, orders, 1), moved_samples=0,
+                              total_samples=counts.shape[0] * counts.shape[1], moved_bytes=0, sent_bytes=0,
+                              plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3)
+        return out, report
+
+
+def orders_moved(orders: np.ndarray, dp: int) -> np.ndarray:
+    """bool [W, B]: natural sample j changes rank in a module of DP size dp."""
+    w, batch = orders.shape
+    b = batch // dp
+    pos = np.empty_like(orders)
+    pos[np.arange(w)[:, None], orders] = np.arange(batch)[None, :]
+    return (pos // b) != (np.arange(batch) // b)[None, :]

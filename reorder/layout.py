@@ -1,0 +1,237 @@
+"""Batch layout: which fields of a micro-batch are per-sample, along which dim, and how big.
+
+A micro-batch is a dict (Qwen-VL style, DESIGN section 4):
+- tensors with a batch dim: dim 0 by default; `position_ids` of rank 3 ([3, B, S], MRoPE) on dim 1;
+  override with `batch_dims={"name": dim}`; a tensor whose batch-dim size is not B is global metadata;
+- `modality_inputs = {"images": {encoder: {"hidden_states": [sum P, F], "grid_thw": [n_img, 3]}}}`:
+  per-row tensors (leading dim = total patch rows) and per-image tensors (leading dim = images);
+  sample s owns the images counted by vision-start tokens in its input_ids row, in order;
+- lists of length B are per-sample; everything else is global metadata, kept as-is.
+
+`describe` turns one batch into a `BatchLayout` (fields, dtypes, per-sample shapes) and a `Shard`
+(the batch as n samples plus per-sample row / image / list-byte counts). Everything else in reorder
+works on shards.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+
+Path = tuple  # key path inside the batch dict, e.g. ("modality_inputs", "images", "vit", "grid_thw")
+
+DEFAULT_BATCH_DIMS = {"position_ids": None}  # None: dim 1 if 3-D (MRoPE), else 0
+
+
+class LayoutError(ValueError):
+    """The batch cannot be reordered as given; the message names the field and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class DenseField:
+    """A tensor with one sample per index along `batch_dim`."""
+
+    path: Path
+    batch_dim: int
+    dtype: torch.dtype
+    sample_shape: tuple  # shape without the batch dim
+
+    @property
+    def sample_bytes(self) -> int:
+        n = 1
+        for s in self.sample_shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    def full_shape(self, n: int) -> tuple:
+        s = list(self.sample_shape)
+        s.insert(self.batch_dim, n)
+        return tuple(s)
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedField:
+    """A vision tensor with a variable number of leading entries per sample (rows or images)."""
+
+    path: Path
+    per: str  # "row" or "image"
+    dtype: torch.dtype
+    entry_shape: tuple
+
+    @property
+    def entry_bytes(self) -> int:
+        n = 1
+        for s in self.entry_shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """The per-sample structure of a micro-batch; identical on every rank of a module's DP group."""
+
+    dense: tuple  # of DenseField
+    ragged: tuple  # of RaggedField
+    lists: tuple  # of Path (per-sample python lists)
+    grid_path: Path | None  # path of grid_thw (per-image [n, 3]) when the batch carries vision
+
+    @property
+    def dense_sample_bytes(self) -> int:
+        return sum(f.sample_bytes for f in self.dense)
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(f.entry_bytes for f in self.ragged if f.per == "row")
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(f.entry_bytes for f in self.ragged if f.per == "image")
+
+    def signature(self) -> str:
+        """A stable text of everything that must match across ranks to concatenate samples."""
+        parts = [f"{'/'.join(f.path)}:d{f.batch_dim}:{str(f.dtype)[6:]}:{list(f.sample_shape)}" for f in self.dense]
+        parts += [f"{'/'.join(f.path)}:{f.per}:{str(f.dtype)[6:]}:{list(f.entry_shape)}" for f in self.ragged]
+        parts += ["/".join(p) + ":list" for p in self.lists]
+        return ";".join(parts)
+
+
+@dataclass(slots=True)
+class Shard:
+    """n samples in one order: dense tensors (batch dim per layout), ragged vision tensors with
+    per-sample `row_counts` / `image_counts` (int64, CPU), and per-sample list entries."""
+
+    n: int
+    dense: dict = field(default_factory=dict)  # Path -> Tensor
+    ragged: dict = field(default_factory=dict)  # Path -> Tensor
+    row_counts: torch.Tensor | None = None
+    image_counts: torch.Tensor | None = None
+    lists: list | None = None  # n tuples, one entry per layout.lists path
+
+    def list_blobs(self) -> list:
+        """Per-sample pickled list entries (empty bytes when the layout has no lists)."""
+        if not self.lists:
+            return [b""] * self.n
+        return [pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL) for t in self.lists]
+
+
+def _get(batch, path):
+    for k in path:
+        batch = batch[k]
+    return batch
+
+
+def _walk(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise LayoutError(f"batch key {k!r} at {'/'.join(path) or '<root>'} is not a string")
+            yield from _walk(v, path + (k,))
+    else:
+        yield path, obj
+
+
+def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
+             batch_dims: dict | None = None) -> tuple[BatchLayout, Shard]:
+    """Split one rank's micro-batch of `local_batch` samples into its layout and a shard.
+
+    Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
+    not match the vision tensors, or a per-sample field whose batch dim is not `local_batch`.
+    """
+    dims = dict(DEFAULT_BATCH_DIMS)
+    dims.update(batch_dims or {})
+    if not isinstance(batch, dict):
+        raise LayoutError(f"micro-batch is a {type(batch).__name__}: expected a dict of fields")
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
+    if ids.shape[0] != local_batch:
+        raise LayoutError(f"field 'input_ids' has {ids.shape[0]} samples, expected B/dp={local_batch}")
+    dense, ragged, lists, shard = [], [], [], Shard(n=local_batch)
+    vision = [(p, v) for p, v in _walk(batch) if len(p) >= 3 and p[0] == "modality_inputs"]
+    vision_paths = {p for p, _ in vision}
+    for path, v in _walk(batch):
+        if path in vision_paths:
+            continue
+        name = path[-1]
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            want = dims.get(name, 0)
+            if want is None:
+                want = 1 if v.dim() == 3 else 0
+            if want >= v.dim() or v.shape[want] != local_batch:
+                if name in dims and dims[name] is not None or name in ("input_ids", "labels", "loss_mask",
+                                                                      "attention_mask", "position_ids"):
+                    raise LayoutError(f"field {'/'.join(path)!r} has shape {tuple(v.shape)}: expected "
+                                      f"{local_batch} samples along dim {want}")
+                continue  # global metadata
+            shape = list(v.shape)
+            shape.pop(want)
+            dense.append(DenseField(path, want, v.dtype, tuple(shape)))
+            shard.dense[path] = v
+        elif isinstance(v, list) and len(v) == local_batch:
+            lists.append(path)
+    if lists:
+        cols = [_get(batch, p) for p in lists]
+        shard.lists = list(zip(*cols))
+    grid_path = None
+    if vision:
+        grid_path = _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard)
+    layout = BatchLayout(tuple(dense), tuple(ragged), tuple(lists), grid_path)
+    return layout, shard
+
+
+def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard):
+    grids = [(p, v) for p, v in vision if p[-1] == "grid_thw"]
+    if len(grids) != 1:
+        raise LayoutError(f"modality_inputs must hold exactly one 'grid_thw' tensor, found {len(grids)}: "
+                          "reorder supports one vision encoder per batch")
+    grid_path, grid = grids[0]
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
+        raise LayoutError(f"field {'/'.join(grid_path)!r} must be an [n_images, 3] tensor")
+    enc = grid_path[:-1]
+    image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64)
+    n_img = int(image_counts.sum())
+    if grid.shape[0] != n_img:
+        raise LayoutError(f"field {'/'.join(grid_path)!r} has {grid.shape[0]} images but input_ids holds "
+                          f"{n_img} vision-start tokens (id {vision_start_token_id}): image counts are "
+                          "mis-sourced or vision_start_token_id is wrong")
+    per_image_rows = grid.to("cpu", torch.int64).prod(dim=1)
+    total_rows = int(per_image_rows.sum())
+    ends = torch.cumsum(image_counts, 0)
+    csum = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_image_rows, 0)])
+    row_counts = csum[ends] - csum[ends - image_counts]
+    for path, v in vision:
+        if path[:-1] != enc:
+            raise LayoutError(f"field {'/'.join(path)!r}: only one vision encoder dict is supported "
+                              f"(found {'/'.join(enc)!r} too)")
+        if not isinstance(v, torch.Tensor) or v.dim() < 1:
+            raise LayoutError(f"field {'/'.join(path)!r} must be a tensor with a leading row or image dim")
+        if path == grid_path or (path[-1] != "hidden_states" and v.shape[0] == n_img and n_img != total_rows):
+            per = "image"
+        elif v.shape[0] == total_rows:
+            per = "row"
+        else:
+            raise LayoutError(f"field {'/'.join(path)!r} has {v.shape[0]} rows but grid_thw sums to "
+                              f"{total_rows} patch rows over {n_img} images")
+        ragged.append(RaggedField(path, per, v.dtype, tuple(v.shape[1:])))
+        shard.ragged[path] = v
+    shard.row_counts = row_counts
+    shard.image_counts = image_counts
+    return grid_path
+
+
+def rebuild(template: dict, layout: BatchLayout, shard: Shard) -> dict:
+    """A micro-batch with the template's structure and global metadata, holding the shard's samples."""
+    def put(obj, path):
+        if isinstance(obj, dict):
+            return {k: put(v, path + (k,)) for k, v in obj.items()}
+        if path in shard.dense:
+            return shard.dense[path]
+        if path in shard.ragged:
+            return shard.ragged[path]
+        if path in layout.lists:
+            j = layout.lists.index(path)
+            return [t[j] for t in shard.lists]
+        return obj
+    return put(template, ())

@@ -1,0 +1,30 @@
+"""Plan a window: per-slot canonical orders from per-slot costs, and the loads that judge them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reorder.balancers import get_balancer
+from reorder.grid import check_global_batch
+
+
+def plan_orders(costs: np.ndarray, groups: int, balancer: str = "lpt") -> np.ndarray:
+    """int64 [W, B] canonical orders for float64 costs [W, B]; each slot is planned on its own (I7)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    if costs.ndim != 2:
+        raise ValueError(f"costs has shape {costs.shape}: expected [slots, B]")
+    check_global_batch(costs.shape[1], groups)
+    fn = get_balancer(balancer)
+    out = np.empty(costs.shape, dtype=np.int64)
+    for s in range(costs.shape[0]):
+        out[s] = fn(costs[s], groups)
+    return out
+
+
+def rank_loads(costs: np.ndarray, orders: np.ndarray | None, dp: int) -> np.ndarray:
+    """float64 [W, dp] summed cost per rank; natural assignment when `orders` is None."""
+    costs = np.asarray(costs, dtype=np.float64)
+    if orders is not None:
+        costs = np.take_along_axis(costs, np.asarray(orders), axis=1)
+    w, b = costs.shape
+    return costs.reshape(w, dp, b // dp).sum(axis=2)

@@ -1,0 +1,99 @@
+"""Synthetic Qwen-VL-like micro-batches (demo, tests, benchmarks): 0-4 images per sample from a
+realistic size mix, placeholders = patches / merge^2 inside vision-start/end runs, MRoPE
+position_ids [3, B, S], padded to a fixed sequence length; plus helpers to cut a global
+micro-batch into a module rank's contiguous share."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from reorder import packing
+from reorder.layout import describe, rebuild
+
+IMAGE_TOKEN = 248056
+VISION_START = 248053
+VISION_END = 248054
+PAD = 0
+
+# (probability, min side, max side) in merged 2x2 units; rows = (2h) * (2w) patches
+SIZE_MIXES = {
+    "realistic": [(0.55, 2, 8), (0.35, 8, 20), (0.10, 20, 40)],
+    "small": [(1.0, 1, 4)],
+    "skewed": [(0.8, 1, 4), (0.2, 16, 32)],
+}
+
+
+def draw_images(rng: np.random.Generator, n: int, mix: str = "realistic", scale: float = 1.0) -> np.ndarray:
+    """[n, 3] grid_thw (t=1, h, w in patches, both even) drawn from a named size mix."""
+    bands = SIZE_MIXES[mix]
+    probs = np.array([p for p, _, _ in bands])
+    band = rng.choice(len(bands), size=n, p=probs / probs.sum())
+    lo = np.array([b[1] for b in bands])[band]
+    hi = np.array([b[2] for b in bands])[band]
+    h = np.maximum(1, (rng.integers(lo, hi + 1) * scale).astype(int))
+    w = np.maximum(1, (rng.integers(lo, hi + 1) * scale).astype(int))
+    return np.stack([np.ones(n, dtype=np.int64), 2 * h, 2 * w], axis=1)
+
+
+def make_global_batch(rng: np.random.Generator, batch: int, seq_len: int, *, features: int = 8,
+                      dtype: torch.dtype = torch.bfloat16, mix: str = "realistic", max_images: int = 4,
+                      text_only: float = 0.2, first_id: int = 0, scale: float = 1.0) -> dict:
+    """One global micro-batch of `batch` samples padded to `seq_len` tokens (images that do not fit
+    are dropped). Every sample carries a unique `sample_id` (first_id + i) for invariant checks."""
+    ids = np.full((batch, seq_len), PAD, dtype=np.int64)
+    mask = np.zeros((batch, seq_len), dtype=np.int64)
+    pos = np.zeros((3, batch, seq_len), dtype=np.int64)
+    grids = []
+    for s in range(batch):
+        k = 0 if rng.random() < text_only else int(rng.integers(1, max_images + 1))
+        g = draw_images(rng, k, mix, scale) if k else np.zeros((0, 3), np.int64)
+        text = int(rng.integers(8, max(9, seq_len // 8)))
+        toks, kept = list(rng.integers(1000, 150000, size=text)), []
+        for img in g:
+            n_ph = int(img.prod()) // 4
+            if len(toks) + n_ph + 2 > seq_len:
+                break
+            toks += [VISION_START] + [IMAGE_TOKEN] * n_ph + [VISION_END]
+            kept.append(img)
+        toks = toks[:seq_len]
+        ids[s, :len(toks)] = toks
+        mask[s, :len(toks)] = 1
+        pos[:, s, :len(toks)] = np.arange(len(toks))[None, :] + np.arange(3)[:, None] * (s % 3)
+        grids += kept
+    grid = np.array(grids, dtype=np.int64).reshape(-1, 3)
+    rows = int(grid.prod(axis=1).sum())
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    hidden = torch.randn(rows, features, generator=gen).to(dtype)
+    input_ids = torch.from_numpy(ids)
+    labels = torch.where((input_ids == IMAGE_TOKEN) | (input_ids == PAD), -100, input_ids)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": torch.from_numpy(mask).float(),
+        "attention_mask": torch.from_numpy(mask),
+        "position_ids": torch.from_numpy(pos),
+        "sample_id": torch.arange(first_id, first_id + batch, dtype=torch.int64),
+        "modality_inputs": {"images": {"vit": {"hidden_states": hidden, "grid_thw": torch.from_numpy(grid)}}},
+    }
+
+
+VISION_FIELDS = ("input_ids", "position_ids", "sample_id", "modality_inputs")
+LANGUAGE_FIELDS = ("input_ids", "labels", "loss_mask", "attention_mask", "position_ids", "sample_id")
+
+
+def module_view(batch: dict, fields) -> dict:
+    """The fields a module's rank loads (vision ranks carry the images, language ranks the text)."""
+    return {k: v for k, v in batch.items() if k in fields}
+
+
+def take_samples(batch: dict, index, *, vision_start_token_id: int = VISION_START) -> dict:
+    """A micro-batch holding samples `index` of `batch` (vision rows follow their samples)."""
+    layout, shard = describe(batch, batch["input_ids"].shape[0], vision_start_token_id=vision_start_token_id)
+    return rebuild(batch, layout, packing.take(layout, [shard], index))
+
+
+def rank_share(batch: dict, dp: int, rank: int) -> dict:
+    """Rank `rank`'s contiguous 1/dp share of a global micro-batch (scalable reads)."""
+    b = batch["input_ids"].shape[0] // dp
+    return take_samples(batch, np.arange(rank * b, (rank + 1) * b))
