@@ -27,13 +27,43 @@ class Collectives(Protocol):
     def all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor: ...
 
 
+class _Barrier:
+    """A barrier whose completed rounds stay completed when it is aborted later (unlike
+    threading.Barrier, where a released-but-not-yet-running waiter can still see 'broken')."""
+
+    def __init__(self, parties: int):
+        self.parties, self.count, self.generation, self.broken = parties, 0, 0, False
+        self.cond = threading.Condition()
+
+    def wait(self, timeout: float) -> None:
+        with self.cond:
+            if self.broken:
+                raise threading.BrokenBarrierError
+            gen = self.generation
+            self.count += 1
+            if self.count == self.parties:
+                self.count, self.generation = 0, gen + 1
+                self.cond.notify_all()
+                return
+            if not self.cond.wait_for(lambda: self.generation != gen or self.broken, timeout):
+                self.broken = True
+                self.cond.notify_all()
+            if self.generation == gen:
+                raise threading.BrokenBarrierError
+
+    def abort(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
+
+
 class EmulatedGroup:
     """Shared state of N emulated ranks; `member(rank)` gives one rank's Collectives."""
 
     def __init__(self, size: int, timeout: float = 60.0):
         self.size = size
         self.timeout = timeout
-        self._barrier = threading.Barrier(size)
+        self._barrier = _Barrier(size)
         self._slots = [None] * size
 
     def member(self, rank: int) -> "EmulatedCollectives":

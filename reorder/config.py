@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -47,7 +48,7 @@ class ReorderConfig:
         for name in ("megatron_mimo_reorder_encoder_cost_weight",
                      "megatron_mimo_reorder_language_cost_weight"):
             w = getattr(self, name)
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name}={w!r}: must be a finite number >= 0")
             object.__setattr__(self, name, float(w))
         if self.megatron_mimo_reorder_encoder_cost_weight == 0 == self.megatron_mimo_reorder_language_cost_weight:
@@ -57,8 +58,9 @@ class ReorderConfig:
         for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("spatial_merge_size", 1),
                               ("image_token_id", 0), ("vision_start_token_id", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
                 raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
+            object.__setattr__(self, name, int(v))
         if self.image_token_id == self.vision_start_token_id:
             raise ValueError(f"image_token_id={self.image_token_id} equals vision_start_token_id="
                              f"{self.vision_start_token_id}: they must be different tokens")

@@ -31,15 +31,17 @@ size on the same grid. Pure Python/torch: no distributed calls.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 MODES = ("single", "cyclic")
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
-    return value
+    return int(value)
 
 
 class CanonicalBatchSampler:
@@ -82,7 +84,7 @@ class CanonicalBatchSampler:
 
     # -- state -----------------------------------------------------------------------------------
     def _check_consumed(self, consumed_samples) -> int:
-        _check_int("consumed_samples", consumed_samples, 0)
+        consumed_samples = _check_int("consumed_samples", consumed_samples, 0)
         B = self.global_batch_size
         if consumed_samples % B:
             raise ValueError(f"consumed_samples={consumed_samples} is not a multiple of "

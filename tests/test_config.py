@@ -1,0 +1,124 @@
+"""ReorderConfig: upstream field names and defaults, validation messages, builders, layout checks."""
+
+import argparse
+import dataclasses
+import types
+
+import expecttest
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from reorder.balancers import BALANCERS
+from reorder.config import ReorderConfig, add_reorder_args, check_model_layout
+
+UPSTREAM = {
+    "megatron_mimo_scalable_dp": False,
+    "megatron_mimo_intra_microbatch_reorder": False,
+    "megatron_mimo_reorder_encoder_cost_weight": 1.0,
+    "megatron_mimo_reorder_language_cost_weight": 0.0,
+    "megatron_mimo_reorder_overlap": True,
+    "megatron_mimo_reorder_window_size": 1,
+}
+ON = {"megatron_mimo_scalable_dp": True, "megatron_mimo_intra_microbatch_reorder": True}
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_reorder_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults():
+    c = ReorderConfig()
+    assert {k: getattr(c, k) for k in UPSTREAM} == UPSTREAM
+    assert (c.balancer, c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == (
+        "lpt", 248056, 248053, 2)
+    assert (c.enabled, c.encoder_weight, c.language_weight, c.overlap, c.window_size) == (
+        False, 1.0, 0.0, True, 1)
+    assert not c.needs_attention_mask
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.balancer = "identity"
+
+
+def test_properties_and_weight_normalisation():
+    c = ReorderConfig(**ON, megatron_mimo_reorder_encoder_cost_weight=2,
+                      megatron_mimo_reorder_language_cost_weight=0.5, megatron_mimo_reorder_overlap=False,
+                      megatron_mimo_reorder_window_size=4)
+    assert (c.enabled, c.encoder_weight, c.language_weight, c.overlap, c.window_size) == (
+        True, 2.0, 0.5, False, 4)
+    assert isinstance(c.encoder_weight, float) and c.needs_attention_mask
+
+
+def test_from_object_and_mapping():
+    obj = types.SimpleNamespace(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=True,
+                                megatron_mimo_reorder_window_size=2, seq_length=4096,
+                                megatron_mimo_reorder_overlap=None)  # None -> default
+    c = ReorderConfig.from_object(obj)
+    assert c == ReorderConfig(**ON, megatron_mimo_reorder_window_size=2)
+    assert ReorderConfig.from_object(object()) == ReorderConfig()
+    assert ReorderConfig.from_object({"megatron_mimo_reorder_language_cost_weight": 0.25}).language_weight == 0.25
+    assert ReorderConfig.from_object(obj, balancer="identity").balancer == "identity"
+    with pytest.raises(ValueError, match="megatron_mimo_reorder_window_size=0"):
+        ReorderConfig.from_object(types.SimpleNamespace(megatron_mimo_reorder_window_size=0))
+
+
+def test_argparse_defaults_and_round_trip():
+    assert ReorderConfig.from_args(parse([])) == ReorderConfig()
+    ns = parse(["--intra-microbatch-reorder", "--reorder-encoder-cost-weight", "2",
+                "--reorder-language-cost-weight", "0.5", "--no-overlap-intra-microbatch-reorder",
+                "--reorder-window-size", "3", "--reorder-balancer", "identity"])
+    assert ns.megatron_mimo_scalable_dp  # --intra-microbatch-reorder implies --scalable-dp
+    assert ReorderConfig.from_args(ns) == ReorderConfig(
+        **ON, megatron_mimo_reorder_encoder_cost_weight=2.0, megatron_mimo_reorder_language_cost_weight=0.5,
+        megatron_mimo_reorder_overlap=False, megatron_mimo_reorder_window_size=3, balancer="identity")
+    assert ReorderConfig.from_args(parse(["--scalable-dp"])) == ReorderConfig(megatron_mimo_scalable_dp=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(on=st.booleans(), scalable=st.booleans(), ew=st.floats(0, 10), lw=st.floats(0, 10),
+       overlap=st.booleans(), window=st.integers(1, 8), balancer=st.sampled_from(sorted(BALANCERS)))
+def test_argparse_round_trip_property(on, scalable, ew, lw, overlap, window, balancer):
+    if ew == 0 == lw:
+        ew = 1.0
+    argv = (["--intra-microbatch-reorder"] * on + ["--scalable-dp"] * scalable
+            + ["--no-overlap-intra-microbatch-reorder"] * (not overlap)
+            + ["--reorder-encoder-cost-weight", repr(ew), "--reorder-language-cost-weight", repr(lw),
+               "--reorder-window-size", str(window), "--reorder-balancer", balancer])
+    c = ReorderConfig.from_args(parse(argv))
+    assert (c.enabled, c.megatron_mimo_scalable_dp, c.encoder_weight, c.language_weight, c.overlap,
+            c.window_size, c.balancer) == (on, on or scalable, ew, lw, overlap, window, balancer)
+
+
+class TestMessages(expecttest.TestCase):
+    def err(self, fn=ReorderConfig, **kw):
+        with self.assertRaises(ValueError) as cm:
+            fn(**kw)
+        return str(cm.exception)
+
+    def test_config_rules(self):
+        self.assertExpectedInline(self.err(megatron_mimo_intra_microbatch_reorder=True), """megatron_mimo_intra_microbatch_reorder=True requires megatron_mimo_scalable_dp=True: reordering balances the 1/dp shares of scalable reads; set both (flag --intra-microbatch-reorder does)""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight=-1.0), """megatron_mimo_reorder_encoder_cost_weight=-1.0: must be a finite number >= 0""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_language_cost_weight=float("nan")), """megatron_mimo_reorder_language_cost_weight=nan: must be a finite number >= 0""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight=float("inf")), """megatron_mimo_reorder_encoder_cost_weight=inf: must be a finite number >= 0""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight="1"), """megatron_mimo_reorder_encoder_cost_weight='1': must be a finite number >= 0""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight=0), """megatron_mimo_reorder_encoder_cost_weight=0.0 and megatron_mimo_reorder_language_cost_weight=0.0: at least one cost weight must be > 0, otherwise every sample costs 0 and there is nothing to balance""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_window_size=0), """megatron_mimo_reorder_window_size=0: must be an integer >= 1""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_window_size=1.5), """megatron_mimo_reorder_window_size=1.5: must be an integer >= 1""")
+        self.assertExpectedInline(self.err(spatial_merge_size=0), """spatial_merge_size=0: must be an integer >= 1""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_overlap="no"), """megatron_mimo_reorder_overlap='no': must be a bool""")
+        self.assertExpectedInline(self.err(image_token_id=7, vision_start_token_id=7), """image_token_id=7 equals vision_start_token_id=7: they must be different tokens""")
+        self.assertIn("balancer='nope'", self.err(balancer="nope"))
+
+    def test_argparse_values_are_validated(self):
+        self.assertExpectedInline(self.err(lambda: ReorderConfig.from_args(parse(["--reorder-window-size", "0"]))), """megatron_mimo_reorder_window_size=0: must be an integer >= 1""")
+        self.assertExpectedInline(self.err(lambda: ReorderConfig.from_args(parse(["--reorder-language-cost-weight", "-2"]))), """megatron_mimo_reorder_language_cost_weight=-2.0: must be a finite number >= 0""")
+
+    def test_layout(self):
+        ok = dict(encoder_pp=1, encoder_dp=2, language_dp=4, fixed_width_padding=True)
+        check_model_layout(**ok)
+        check_model_layout(**{**ok, "encoder_dp": 1, "language_dp": 1})
+        self.assertExpectedInline(self.err(check_model_layout, **{**ok, "encoder_pp": 2}), """encoder_pp=2: reorder does not support a pipeline-parallel vision encoder; set the encoder's pipeline-parallel size to 1""")
+        self.assertExpectedInline(self.err(check_model_layout, **{**ok, "encoder_dp": 8}), """encoder_dp=8 > language_dp=4: MimoModel's fan-in path asserts on variable image-token counts; give the language module at least the encoder's DP size""")
+        self.assertExpectedInline(self.err(check_model_layout, **{**ok, "language_dp": 3}), """language_dp=3 is not a multiple of encoder_dp=2: each encoder replica must feed a whole number of language replicas""")
+        self.assertExpectedInline(self.err(check_model_layout, **{**ok, "fixed_width_padding": False}), """fixed_width_padding=False: reorder concatenates samples from other ranks, so every sample must be padded to the same fixed sequence length; pad to the configured seq_length instead of the longest in the batch""")
+        self.assertExpectedInline(self.err(check_model_layout, **{**ok, "language_dp": 0}), """language_dp=0: must be an integer >= 1""")

@@ -1,0 +1,105 @@
+"""Full window exchanges on emulated ranks: I1-I8 for heterogeneous layouts, window sizes, a short
+last window; every rank raises the same error for rank-local bad input or config mismatch."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reorder import CostModel, Grid, ReorderError, WindowExchanger, harness, run_emulated
+from reorder import synthetic as syn
+
+LAYOUTS = [(1, 2), (2, 4), (2, 3), (1, 4), (4, 8), (3, 6)]
+COST = CostModel()
+
+
+def windows_for(seed, batch, slots, seq=192):
+    rng = np.random.default_rng(seed)
+    return [syn.make_global_batch(rng, batch, seq, features=4, mix="small", first_id=s * batch) for s in range(slots)]
+
+
+@pytest.mark.parametrize("dps", LAYOUTS, ids=str)
+@pytest.mark.parametrize("slots", [1, 3])
+def test_invariants_hold_for_layouts(dps, slots):
+    from math import lcm
+    g = lcm(*dps)
+    batches = windows_for(sum(dps) * 10 + slots, 2 * g, slots)
+    res = harness.run_window(batches, {"vision": dps[0], "language": dps[1]}, cost=COST, window_size=4)
+    harness.check_window(batches, res, cost=COST, balancer="lpt", vision_start_token_id=syn.VISION_START)
+    assert res["language"].reports[0].moved_samples > 0 or dps[1] == 1
+
+
+@given(st.sampled_from(LAYOUTS), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31),
+       st.floats(0, 2))
+def test_invariants_property(dps, slots, per_group, seed, lw):
+    from math import lcm
+    g = lcm(*dps)
+    batches = windows_for(seed, per_group * g, slots, seq=128)
+    cost = CostModel(encoder_weight=1.0, language_weight=lw)
+    res = harness.run_window(batches, {"vision": dps[0], "language": dps[1]}, cost=cost, window_size=4)
+    harness.check_window(batches, res, cost=cost, balancer="lpt", vision_start_token_id=syn.VISION_START)
+
+
+def test_short_last_window_and_reports():
+    batches = windows_for(3, 8, 4)
+    full = harness.run_window(batches, {"vision": 2, "language": 4}, cost=COST, window_size=4)
+    short = harness.run_window(batches[:1], {"vision": 2, "language": 4}, cost=COST, window_size=4)
+    harness.check_window(batches[:1], short, cost=COST, balancer="lpt", vision_start_token_id=syn.VISION_START)
+    assert short["language"].reports[0].slots == 1 and full["language"].reports[0].slots == 4
+    rep = full["language"].reports[0]
+    assert rep.max_after <= rep.max_before and rep.total_samples == 32
+    assert np.allclose(rep.loads_before.sum(axis=1), rep.loads_after.sum(axis=1))
+
+
+def _run(dp, batches_for_rank, exchanger_kwargs_for_rank=lambda r: {}):
+    def fn(r, coll):
+        kw = dict(grid=Grid(groups=dp, dp=dp, rank=r), global_batch=2 * dp, cost=COST, window_size=2,
+                  collectives=coll)
+        kw.update(exchanger_kwargs_for_rank(r))
+        return WindowExchanger(**kw).exchange(batches_for_rank(r))
+    return run_emulated(dp, fn, timeout=20, return_exceptions=True)
+
+
+def _shares(dp, seed=0):
+    g = windows_for(seed, 2 * dp, 1)[0]
+    return [syn.rank_share(g, dp, r) for r in range(dp)]
+
+
+def test_rank_local_width_mismatch_raises_everywhere():
+    shares = _shares(3)
+    shares[1] = dict(shares[1])
+    shares[1]["labels"] = torch.nn.functional.pad(shares[1]["labels"], (0, 3))
+    out = _run(3, lambda r: [shares[r]])
+    assert all(isinstance(e, ReorderError) for e in out), out
+    assert len({str(e) for e in out}) == 1
+    assert "batch layout differs across ranks" in str(out[0]) and "labels:d0:int64:[195]" in str(out[0])
+
+
+def test_rank_local_bad_image_counts_raise_everywhere():
+    shares = _shares(2, seed=5)
+    vit = shares[0]["modality_inputs"]["images"]["vit"]
+    if len(vit["grid_thw"]) == 0:
+        pytest.skip("seed drew no image on rank 0")
+    bad = dict(shares[0])
+    bad["modality_inputs"] = {"images": {"vit": {"hidden_states": vit["hidden_states"],
+                                                 "grid_thw": vit["grid_thw"].flip(0) * torch.tensor([1, 2, 1])}}}
+    shares[0] = bad
+    out = _run(2, lambda r: [shares[r]])
+    assert all(isinstance(e, ReorderError) for e in out), out
+    assert len({str(e) for e in out}) == 1 and str(out[0]).startswith("reorder failed on rank 0:")
+
+
+def test_config_mismatch_raises_everywhere():
+    shares = _shares(2)
+    out = _run(2, lambda r: [shares[r]], lambda r: {"cost": CostModel(encoder_weight=1.0 + r)})
+    assert all(isinstance(e, ReorderError) for e in out)
+    assert str(out[1]) == str(out[0]) == \
+        "config mismatch across the DP group: encoder_weight is 1.0 on ranks [0], 2.0 on ranks [1]"
+
+
+def test_dp1_local_permutation():
+    batches = windows_for(9, 8, 2)
+    res = harness.run_window(batches, {"vision": 1, "language": 4}, cost=COST)
+    harness.check_window(batches, res, cost=COST, balancer="lpt", vision_start_token_id=syn.VISION_START)
+    assert res["vision"].reports[0].sent_bytes == 0

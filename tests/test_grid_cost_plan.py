@@ -1,0 +1,102 @@
+"""Grid, cost and plan against the spec, golden facts and error messages."""
+
+import numpy as np
+import torch
+from expecttest import TestCase
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reorder import CostModel, Grid, canonical_grid, plan_orders, rank_loads
+from reorder.balancers import lpt
+from spec import reference as ref
+
+
+class Golden(TestCase):
+    def test_known_facts(self):
+        self.assertExpectedInline(str(lpt(np.array([1.0, 5, 2, 4]), 2).tolist()), """[1, 0, 3, 2]""")
+        order = plan_orders(np.array([[10.0, 10, 10, 1, 1, 1]]), 3)
+        loads = rank_loads(np.array([[10.0, 10, 10, 1, 1, 1]]), order, 3)
+        self.assertExpectedInline(str(loads.tolist()), """[[11.0, 11.0, 11.0]]""")
+        self.assertExpectedInline(str(canonical_grid([2, 3])), """6""")
+        self.assertExpectedInline(str(list(Grid(groups=canonical_grid([1, 2, 4]), dp=2, rank=1).covered_groups())),
+                                  """[2, 3]""")
+
+    def test_grid_errors(self):
+        with self.assertRaises(ValueError) as e:
+            canonical_grid([2, 0])
+        self.assertExpectedInline(str(e.exception), """dp size 0 is invalid: every module's DP size must be an integer >= 1""")
+        with self.assertRaises(ValueError) as e:
+            Grid(groups=6, dp=4, rank=0)
+        self.assertExpectedInline(str(e.exception), """canonical grid G=6 is not a multiple of dp=4: G must be the lcm of all module DP sizes""")
+        with self.assertRaises(ValueError) as e:
+            plan_orders(np.zeros((1, 10)), 4)
+        self.assertExpectedInline(str(e.exception), """global micro-batch size B=10 is not a positive multiple of the canonical grid G=4: choose B as a multiple of lcm(DP sizes)""")
+        with self.assertRaises(ValueError) as e:
+            Grid(groups=4, dp=2, rank=2)
+        self.assertExpectedInline(str(e.exception), """rank=2 is out of range for dp=2""")
+        with self.assertRaises(ValueError) as e:
+            plan_orders(np.zeros((1, 4)), 2, balancer="magic")
+        self.assertIn("balancer='magic' is unknown", str(e.exception))
+
+    def test_cost_errors(self):
+        with self.assertRaises(ValueError) as e:
+            CostModel(encoder_weight=-1.0)
+        self.assertExpectedInline(str(e.exception), """encoder_weight=-1.0 is invalid: cost weights must be finite and >= 0""")
+        with self.assertRaises(ValueError) as e:
+            CostModel(encoder_weight=0.0, language_weight=0.0)
+        self.assertExpectedInline(str(e.exception), """encoder_weight=0 and language_weight=0: at least one cost weight must be > 0""")
+        with self.assertRaises(ValueError) as e:
+            CostModel(language_weight=0.5).token_counts(torch.zeros(2, 4, dtype=torch.long), None)
+        self.assertExpectedInline(str(e.exception), """attention_mask is missing but language_weight=0.5: load attention_mask on every rank or set language_weight=0""")
+        with self.assertRaises(ValueError) as e:
+            CostModel().token_counts(torch.zeros(4, dtype=torch.long), None)
+        self.assertExpectedInline(str(e.exception), """input_ids has shape (4,): expected [B, S]""")
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())
+def test_grid_matches_spec(dps, data):
+    g = canonical_grid(dps)
+    assert g == ref.canonical_grid(dps)
+    for d in dps:
+        for r in range(d):
+            grid = Grid(groups=g, dp=d, rank=r)
+            assert list(grid.covered_groups()) == ref.covered_groups(d, g, r)
+            assert [grid.owner(j) for j in grid.covered_groups()] == [ref.owner(j, d, g) for j in grid.covered_groups()]
+
+
+@given(st.integers(1, 6), st.integers(1, 40), st.floats(0, 4), st.floats(0, 4), st.integers(1, 3), st.data())
+def test_cost_matches_spec(b, s, ew, lw, merge, data):
+    if ew == 0 and lw == 0:
+        ew = 1.0
+    ids = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([5, 7, 9]), min_size=s, max_size=s),
+                                          min_size=b, max_size=b)))
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=s, max_size=s), min_size=b, max_size=b)))
+    m = CostModel(encoder_weight=ew, language_weight=lw, image_token_id=7, vision_start_token_id=9,
+                  spatial_merge_size=merge)
+    p, r, _ = m.token_counts(ids, mask)
+    got = m.costs(p.numpy(), r.numpy())
+    want = [ref.sample_cost(ids[i].tolist(), mask[i].tolist(), image_token_id=7, spatial_merge_size=merge,
+                            encoder_weight=ew, language_weight=lw) for i in range(b)]
+    assert got.tolist() == want  # bit-exact (I1 depends on it)
+
+
+costs_st = st.integers(1, 64).flatmap(lambda g: st.tuples(st.just(g), st.integers(1, 16).flatmap(
+    lambda k: st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 7.5, 1e4]) | st.floats(0, 1e5), min_size=g * k,
+                       max_size=g * k))))
+
+
+@given(costs_st)
+def test_lpt_matches_spec(gc):
+    groups, costs = gc
+    assert lpt(np.array(costs), groups).tolist() == ref.lpt_order(costs, groups)
+
+
+@given(costs_st)
+def test_plan_equal_count_and_loads(gc):
+    groups, costs = gc
+    c = np.array([costs, costs[::-1]])
+    orders = plan_orders(c, groups)
+    for s in range(2):
+        assert sorted(orders[s].tolist()) == list(range(len(costs)))  # I3/I6: a permutation
+        want = ref.group_loads(c[s].tolist(), orders[s].tolist(), groups)
+        assert np.allclose(rank_loads(c[s:s + 1], orders[s:s + 1], groups)[0], want)
