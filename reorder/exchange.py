@@ -96,7 +96,8 @@ class WindowExchanger:
     """
 
     def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "lpt",
-                 window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None):
+                 window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
+                 device: torch.device | str | None = None):
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -108,12 +109,15 @@ class WindowExchanger:
         plan_orders(np.zeros((1, global_batch)), grid.groups, balancer)  # validates the balancer name
         self.grid, self.global_batch, self.cost, self.balancer = grid, global_batch, cost, balancer
         self.window_size, self.collectives, self.batch_dims = window_size, collectives, batch_dims
+        self.device = None if device is None else torch.device(device)
         self.local_batch = global_batch // grid.dp
 
     # ---- local part -------------------------------------------------------------------------
 
     def _prepare(self, batches):
-        if not 1 <= len(batches) <= self.window_size:
+        if not batches:
+            return None
+        if len(batches) > self.window_size:
             raise ValueError(f"window has {len(batches)} micro-batches: expected 1..window_size={self.window_size}")
         layouts, shards, counts = [], [], []
         for slot, batch in enumerate(batches):
@@ -133,6 +137,9 @@ class WindowExchanger:
                                       f"placeholders (x{merge2} = {int(placeholders[i]) * merge2} patches) but grid_thw "
                                       f"gives it {int(rows[i])} patch rows: image counts are mis-sourced or "
                                       f"image_token_id / spatial_merge_size is wrong")
+            if self.device is not None:  # counts were taken where the batch lives; payloads move now
+                shard.dense = {k: v.to(self.device, non_blocking=True) for k, v in shard.dense.items()}
+                shard.ragged = {k: v.to(self.device, non_blocking=True) for k, v in shard.ragged.items()}
             blobs = shard.list_blobs()
             lb = torch.tensor([len(x) for x in blobs], dtype=torch.int64)
             layouts.append(layout)
@@ -157,6 +164,12 @@ class WindowExchanger:
         for j, name in enumerate(HEADER):
             col = head[:, j].tolist()
             if len(set(col)) > 1:
+                if name == "slots":
+                    raise ReorderError("micro-batch count of this window differs across the DP group (a data "
+                                       "iterator ended early or yields a different number of micro-batches): "
+                                       + ", ".join(f"rank {q}: {v}" for q, v in enumerate(col)))
+                if name == "layout" and 0 in head[:, 2].tolist():
+                    continue
                 if name == "layout":
                     sigs = {v: _int64_to_text(texts[q]) for q, v in enumerate(col)}
                     detail = "; ".join(f"ranks {[q for q, v in enumerate(col) if v == k]}: {s}" for k, s in sigs.items())
@@ -172,23 +185,30 @@ class WindowExchanger:
 
     # ---- the exchange -----------------------------------------------------------------------
 
-    def exchange(self, batches: list) -> tuple[list, WindowReport]:
+    def exchange(self, batches: list, error: BaseException | None = None) -> tuple[list, WindowReport | None]:
         """Reorder one window (1..window_size micro-batches of this rank); returns the reordered
         micro-batches (same structure, canonical order) and a report. Raises ReorderError on every
-        rank together when any rank's input is bad."""
+        rank together when any rank's input is bad. An empty window marks the end of the stream:
+        every rank must pass one together (else all raise); it returns ([], None). `error` is a
+        failure found while reading this rank's window (e.g. the data source raised): it is shared
+        like a validation error, so every rank raises."""
         t0 = time.perf_counter()
         batches = list(batches)
-        error, local = None, None
-        try:
-            local = self._prepare(batches)
-        except (ValueError, TypeError, KeyError) as e:
-            error = e
+        local = None
+        if error is None:
+            try:
+                local = self._prepare(batches)
+            except (ValueError, TypeError, KeyError, IndexError) as e:
+                error = e
+        else:
+            error = f"data source raised {type(error).__name__}: {error}"
+            batches = batches or [None]
         dp, b, B, W = self.grid.dp, self.local_batch, self.global_batch, len(batches)
         if dp == 1:
             if error is not None:
-                raise ReorderError(f"reorder failed on rank 0: {error}") from error
-            return self._local(batches, local, t0)
-        layout_text = local[0].signature() if local else ""
+                raise ReorderError(f"reorder failed on rank 0: {error}")
+            return ([], None) if local is None else self._local(batches, local, t0)
+        layout_text = local[0].signature() if local is not None else ""
         text = str(error) if error is not None else layout_text
         meta = torch.zeros(len(HEADER) + TEXT_BYTES // 8 + self.window_size * b * COLS, dtype=torch.int64)
         meta[:len(HEADER)] = torch.tensor(self._header(error is not None, W, layout_text), dtype=torch.int64)
@@ -197,6 +217,8 @@ class WindowExchanger:
             meta[len(HEADER) + TEXT_BYTES // 8:len(HEADER) + TEXT_BYTES // 8 + W * b * COLS] = local[2].reshape(-1)
         gathered = self.collectives.all_gather(meta)
         self._check(gathered)
+        if W == 0:
+            return [], None
         layout, shards, _ = local
         counts = gathered[:, len(HEADER) + TEXT_BYTES // 8:].reshape(dp, self.window_size, b, COLS)[:, :W]
         counts = counts.permute(1, 0, 2, 3).reshape(W, B, COLS).numpy()  # natural order per slot
@@ -221,7 +243,7 @@ class WindowExchanger:
         send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
         send_sizes = [piece_sizes(ids) for ids in send_nat]
         recv_sizes = [piece_sizes(ids) for ids in routes.recv_natural]
-        device = batches[0]["input_ids"].device
+        device = shards[0][0].dense[("input_ids",)].device
         send = torch.empty(sum(map(sum, send_sizes)), dtype=torch.uint8, device=device)
         off = 0
         for q in range(dp):

@@ -1,0 +1,206 @@
+"""Multi-process functional suite: a heterogeneous world (vision ranks then language ranks, one
+process each) streams synthetic micro-batches through real ReorderingBuffers over torch.distributed
+(Gloo on CPU, NCCL with --device cuda) and checks, every window, I1-I8 across modules and
+byte-exact payloads against the spec; fault cases check that all ranks raise together.
+
+Launch with torchrun (env:// rendezvous), e.g.
+  torchrun --nproc-per-node 6 functional_tests/gloo_suite.py --vision-dp 2 --language-dp 4 --window 2
+or from Python with `launch(...)` (fork start, FileStore), as tests/test_functional_gloo.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from reorder import CostModel, ReorderError, WindowExchanger
+from reorder import synthetic as syn
+from reorder.buffer import ReorderingBuffer
+from reorder.dist import build_groups
+from reorder.harness import module_fields
+from spec import invariants as inv
+from spec import reference as ref
+from spec.samples import per_sample_bytes
+
+CASES = ("ok", "source_raises", "bad_input", "lost_peer", "early_end")
+
+
+def global_batches(seed, count, batch, seq_len, features):
+    """The same global micro-batch stream on every rank (seeded)."""
+    rng = np.random.default_rng(seed)
+    for k in range(count):
+        yield syn.make_global_batch(rng, batch, seq_len, features=features, mix="small", first_id=k * batch)
+
+
+def rank_source(args, module, dp, rank, device):
+    fields = module_fields(module, CostModel(language_weight=args.language_weight))
+    for k, g in enumerate(global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features)):
+        if args.case == "source_raises" and k == args.fault_at and module == "language" and rank == dp - 1:
+            raise OSError(f"disk read failed at micro-batch {k}")
+        if args.case == "early_end" and k == args.fault_at and module == "vision" and rank == 0:
+            return
+        share = syn.module_view(syn.rank_share(g, dp, rank), fields)
+        if args.case == "bad_input" and k == args.fault_at and module == "vision" and rank == 0:
+            share = dict(share, input_ids=share["input_ids"][:, :-1])  # wrong width on one rank only
+        yield share
+
+
+def run(args) -> dict:
+    world, me = dist.get_world_size(), dist.get_rank()
+    dv, dl = args.vision_dp, args.language_dp
+    assert world == dv + dl, f"world size {world} != vision dp {dv} + language dp {dl}"
+    device = torch.device(args.device, me % max(1, torch.cuda.device_count())) if args.device == "cuda" else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    modules = {"vision": [list(range(dv))], "language": [list(range(dv, dv + dl))]}
+    groups = build_groups(modules, overlap=args.overlap, timeout=datetime.timedelta(seconds=args.timeout))
+    module, grid = groups.module, groups.grid
+    cost = CostModel(language_weight=args.language_weight)
+    coll = groups.side if args.overlap else groups.main
+    ex = WindowExchanger(grid=grid, global_batch=args.micro_batch, cost=cost, balancer=args.balancer,
+                         window_size=args.window, collectives=coll, device=device)
+    source = rank_source(args, module, grid.dp, grid.rank, device)
+    if args.case == "lost_peer" and me == world - 1:
+        os._exit(0)  # this rank dies before its first exchange
+    outs, seen_error = [], None
+    buf = ReorderingBuffer(source, ex, overlap=args.overlap)
+    t0 = time.perf_counter()
+    try:
+        for mb in buf:
+            outs.append(mb)
+    except Exception as e:  # noqa: BLE001 - checked below
+        seen_error = e
+    finally:
+        buf.close()
+    elapsed = time.perf_counter() - t0
+    if args.overlap:
+        assert not buf.worker_alive, "overlap worker thread still alive after the stream ended"
+    # everyone reports what it saw; rank 0 compares across modules
+    summary = dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs),
+                   error=None if seen_error is None else f"{type(seen_error).__name__}: {seen_error}",
+                   ids=[o["sample_id"].tolist() for o in outs],
+                   orders=[r.orders.tolist() for r in buf.reports], elapsed=elapsed)
+    if args.case == "lost_peer":  # the last rank died: its module's survivors raise, in time
+        if module == "language":
+            assert seen_error is not None and elapsed < args.timeout * 3, (seen_error, elapsed)
+        return dict(case="lost_peer", error=summary["error"], elapsed=elapsed)
+    if args.case == "ok" and seen_error is None:
+        check_own(args, module, grid, outs, buf, cost)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, summary)
+    return check_world(args, everyone)
+
+
+def check_own(args, module, grid, outs, buf, cost):
+    """I3-I5 on this rank: held samples are the canonical positions of the reference plan, byte-exact."""
+    fields = module_fields(module, cost)
+    b = args.micro_batch // grid.dp
+    k = 0
+    for g in global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features):
+        counts = cost.token_counts(g["input_ids"], g["attention_mask"])
+        costs = cost.costs(counts[0].numpy(), counts[1].numpy())
+        order = ref.lpt_order([float(c) for c in costs], grid.groups) if args.balancer == "lpt" else None
+        got = outs[k]
+        ids = g["sample_id"].tolist()
+        if order is not None:
+            inv.i4_canonical_reassembly([ids[i] for i in order], args.micro_batch, grid.dp,
+                                        [got["sample_id"].tolist() if r == grid.rank else
+                                         [ids[i] for i in order[r * b:(r + 1) * b]] for r in range(grid.dp)])
+        sent = dict(zip(ids, per_sample_bytes(syn.module_view(g, fields), vision_start_token_id=syn.VISION_START)))
+        host = {key: (v.cpu() if isinstance(v, torch.Tensor) else v) for key, v in got.items() if key != "modality_inputs"}
+        if "modality_inputs" in got:
+            vit = got["modality_inputs"]["images"]["vit"]
+            host["modality_inputs"] = {"images": {"vit": {kk: vv.cpu() for kk, vv in vit.items()}}}
+        inv.i5_byte_exact(sent, dict(zip(got["sample_id"].tolist(),
+                                         per_sample_bytes(host, vision_start_token_id=syn.VISION_START))))
+        k += 1
+    assert k == len(outs), f"rank served {len(outs)} micro-batches, source had {k}"
+
+
+def check_world(args, everyone) -> dict:
+    dv, dl = args.vision_dp, args.language_dp
+    errors = [s["error"] for s in everyone if s is not None]
+    if args.case != "ok":  # every rank of the faulty module's DP group raised the same error
+        faulty = "language" if args.case == "source_raises" else "vision"
+        alive = [s for s in everyone if s["module"] == faulty]
+        assert all(s["error"] for s in alive), f"case {args.case}: some ranks did not raise: {errors}"
+        msgs = {s["error"] for s in alive}
+        if args.case in ("source_raises", "bad_input", "early_end"):
+            assert len(msgs) == 1, f"ranks raised different errors: {msgs}"
+            assert msgs.pop().startswith("ReorderError"), errors
+        return dict(case=args.case, errors=sorted({s["error"] for s in alive}))
+    assert not any(errors), errors
+    vision = [s for s in everyone if s["module"] == "vision"]
+    language = [s for s in everyone if s["module"] == "language"]
+    n = vision[0]["n"]
+    assert n == args.micro_batches and all(s["n"] == n for s in everyone), [s["n"] for s in everyone]
+    for k in range(n):
+        if dl % dv == 0:
+            inv.i4_bridge_alignment([s["ids"][k] for s in vision], [s["ids"][k] for s in language])
+        # both modules hold the same canonical order, cut at their own rank boundaries
+        inv.i8_deterministic([[i for s in vision for i in s["ids"][k]], [i for s in language for i in s["ids"][k]]])
+        inv.i6_nothing_lost([list(range(k * args.micro_batch, (k + 1) * args.micro_batch))],
+                            [[i for s in language for i in s["ids"][k]]])
+    for w in range(len(everyone[0]["orders"])):
+        inv.i8_deterministic([s["orders"][w] for s in everyone])  # I2: every rank of both modules
+    return dict(case="ok", micro_batches=n, max_elapsed_s=max(s["elapsed"] for s in everyone))
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--vision-dp", type=int, default=2)
+    p.add_argument("--language-dp", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=7)
+    p.add_argument("--window", type=int, default=2)
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seq-len", type=int, default=160)
+    p.add_argument("--features", type=int, default=4)
+    p.add_argument("--language-weight", type=float, default=0.0)
+    p.add_argument("--balancer", default="lpt")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--case", default="ok", choices=CASES)
+    p.add_argument("--fault-at", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _child(rank, world, store_path, argv, result_dir):
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        result = run(parse(argv))
+        if rank == 0:
+            torch.save(result, os.path.join(result_dir, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(argv, world: int) -> dict:
+    """Run the suite on `world` forked processes; returns rank 0's result, raises on any failure."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_child, args=(world, os.path.join(d, "store"), argv, d), nprocs=world,
+                           start_method="fork", join=True)
+        return torch.load(os.path.join(d, "result.pt"))
+
+
+if __name__ == "__main__":
+    args = parse()
+    dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl")
+    result = run(args)
+    if dist.get_rank() == 0:
+        print("RESULT", result, flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)

@@ -1,0 +1,215 @@
+"""ReorderingBuffer: wraps a rank's micro-batch iterator and yields reordered micro-batches.
+
+Reads windows of W micro-batches (a short last window when the source ends), exchanges each
+window with one WindowExchanger call, and yields its micro-batches in order. At the end every rank
+passes one empty window together so an early-ending rank makes all ranks raise instead of hang.
+
+overlap=True prepares the next window on a background thread: its own CUDA stream (and
+`torch.cuda.set_device` in the thread), its own process groups (the exchanger passed in must use
+them), a bounded queue (at most 3 windows resident: one being prepared, one queued, one being
+consumed), `record_stream` + an event wait on the consumer side, worker exceptions re-raised on the
+consumer's next `next()`, and a thread that ends on its own when the source is exhausted or on
+`close()` / context-manager exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections import deque
+
+import torch
+
+from reorder.exchange import WindowExchanger, WindowReport
+
+log = logging.getLogger("reorder")
+_END = object()
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def check_overlap_allowed(device) -> None:
+    """Refuse overlap where a second communicator on another thread can deadlock (DESIGN section 6)."""
+    if device is not None and torch.device(device).type == "cuda" and \
+            os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError("megatron_mimo_reorder_overlap=True with CUDA_DEVICE_MAX_CONNECTIONS=1: collectives "
+                         "issued from the overlap thread on a second NCCL communicator can be ordered "
+                         "differently on each rank and deadlock; set megatron_mimo_reorder_overlap=False "
+                         "(--no-overlap-intra-microbatch-reorder) or unset CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+class ReorderingBuffer:
+    """Iterator of reordered micro-batches over `source` (this rank's micro-batch iterator).
+
+    exchanger: this rank's WindowExchanger (window size W = exchanger.window_size); with overlap it
+    must be bound to the side process groups and is used only by the worker thread.
+    log_every: log a metrics line every N windows (0 = never). `reports` keeps the last 1000
+    WindowReports; `last_report` the newest.
+    """
+
+    def __init__(self, source, exchanger: WindowExchanger, *, overlap: bool = False, log_every: int = 0,
+                 get_timeout: float = 1.0):
+        self._source = iter(source)
+        self._ex = exchanger
+        self._ready: deque = deque()
+        self.reports: deque = deque(maxlen=1000)
+        self.log_every = log_every
+        self._done = False
+        self._windows = 0
+        self._thread = None
+        self._get_timeout = get_timeout
+        self.overlap = overlap
+        if overlap:
+            check_overlap_allowed(exchanger.device)
+            self._queue: queue.Queue = queue.Queue(maxsize=1)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._worker, name="reorder-overlap", daemon=True)
+            self._thread.start()
+
+    # ---- shared ----------------------------------------------------------------------------
+
+    def _read_window(self):
+        """(micro-batches, error): up to W micro-batches, or the exception the source raised."""
+        window = []
+        for _ in range(self._ex.window_size):
+            try:
+                window.append(next(self._source))
+            except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001 - shared with the DP group, then raised everywhere
+                return window, e
+        return window, None
+
+    def _record(self, report: WindowReport | None):
+        if report is None:
+            return
+        self.reports.append(report)
+        self._windows += 1
+        if self.log_every and self._windows % self.log_every == 0:
+            log.info("reorder window %d: spread %.3f -> %.3f, moved %d/%d samples (%.1f MiB), plan %.2f ms, "
+                     "exchange %.2f ms", self._windows, report.spread_before, report.spread_after,
+                     report.moved_samples, report.total_samples, report.moved_bytes / 2**20, report.plan_ms,
+                     report.exchange_ms)
+
+    @property
+    def last_report(self) -> WindowReport | None:
+        return self.reports[-1] if self.reports else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._ready:
+            return self._ready.popleft()
+        if self._done:
+            raise StopIteration
+        if self.overlap:
+            return self._next_overlap()
+        window, error = self._read_window()
+        try:
+            out, report = self._ex.exchange(window, error)
+        except BaseException:
+            self._done = True
+            raise
+        if not window:
+            self._done = True
+            raise StopIteration
+        self._record(report)
+        self._ready.extend(out)
+        return self._ready.popleft()
+
+    # ---- overlap ---------------------------------------------------------------------------
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _worker(self):
+        device = self._ex.device
+        cuda = device is not None and device.type == "cuda"
+        try:
+            if cuda:
+                torch.cuda.set_device(device)
+                stream = torch.cuda.Stream(device)
+            ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+            with ctx:
+                while not self._stop.is_set():
+                    window, error = self._read_window()
+                    out, report = self._ex.exchange(window, error)
+                    if not window:
+                        self._put(_END)
+                        return
+                    event = None
+                    if cuda:
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                    if not self._put((out, report, event)):
+                        return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+
+    def _next_overlap(self):
+        while True:
+            try:
+                item = self._queue.get(timeout=self._get_timeout)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise RuntimeError("reorder overlap worker ended without a result") from None
+        if item is _END:
+            self._done = True
+            self._thread.join()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            self._thread.join()
+            raise item
+        out, report, event = item
+        if event is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(event)
+            for t in _tensors(out):
+                if t.is_cuda:
+                    t.record_stream(current)
+        self._record(report)
+        self._ready.extend(out)
+        return self._ready.popleft()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the worker (if any) and wait for it; no thread outlives this call unless it is stuck
+        in a collective, which then ends at the process group's timeout."""
+        self._done = True
+        if self._thread is not None:
+            self._stop.set()
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._queue.get_nowait()
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def worker_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

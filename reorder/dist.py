@@ -1,0 +1,101 @@
+"""The one layer that talks to torch.distributed: process groups and the two collectives.
+
+`build_groups` is a world-wide collective: every rank of every module calls it with the same
+arguments in the same order (dp-1 modules included) and it creates groups only when the canonical
+grid G > 1, never gated on a rank's own DP size. Metadata travels on Gloo (CPU, fixed-size int64
+tensors), payloads on the data backend (NCCL for CUDA tensors, Gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reorder.collectives import CollectiveError
+from reorder.grid import Grid, canonical_grid
+
+
+class TorchCollectives:
+    """Collectives over a Gloo metadata group and a data group (any backend)."""
+
+    def __init__(self, meta_group, data_group):
+        self.meta_group, self.data_group = meta_group, data_group
+        self.rank = dist.get_rank(meta_group)
+        self.size = dist.get_world_size(meta_group)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        try:
+            dist.all_gather(out, t, group=self.meta_group)
+        except RuntimeError as e:  # timeouts and lost peers surface here
+            raise CollectiveError(f"reorder metadata all_gather failed on rank {self.rank}: {e}") from e
+        return torch.stack(out)
+
+    def all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+        try:
+            dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                   input_split_sizes=list(send_splits), group=self.data_group)
+        except RuntimeError as e:
+            raise CollectiveError(f"reorder all_to_all failed on rank {self.rank}: {e}") from e
+        return recv
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankGroups:
+    """This rank's module, place on the grid, and its reorder groups (None where dp == 1 or G == 1).
+
+    `side` is a second, independent pair of groups for the overlap worker thread (own Gloo and own
+    NCCL communicator, so background exchanges never interleave with the training stream's)."""
+
+    module: str
+    grid: Grid
+    main: TorchCollectives | None
+    side: TorchCollectives | None
+
+
+def build_groups(modules: dict, *, data_backend: str | None = None, overlap: bool = True,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> RankGroups:
+    """Create reorder's process groups; call on every rank of the world with identical arguments.
+
+    modules: name -> list of DP groups, each a list of global ranks (one DP group per tp/cp/pp
+    coordinate; all groups of a module have the same size), e.g. {"vision": [[0, 1]],
+    "language": [[2, 3, 4, 5]]}. A rank may appear in several modules (colocated); the first
+    module listing it is returned. data_backend defaults to NCCL when CUDA is available.
+    """
+    me = dist.get_rank()
+    dp_sizes, where = [], None
+    for name in modules:
+        groups = [list(g) for g in modules[name]]
+        sizes = {len(g) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"module {name!r} has DP groups of different sizes {sorted(sizes)}")
+        dp_sizes.append(sizes.pop())
+        for g in groups:
+            if me in g and where is None:
+                where = (name, g)
+    if where is None:
+        raise ValueError(f"rank {me} is in no module's DP group: {modules}")
+    groups_g = canonical_grid(dp_sizes)
+    name, mine = where
+    grid = Grid(groups=groups_g, dp=len(mine), rank=sorted(mine).index(me))  # DP rank = position in sorted ranks
+    if data_backend is None:
+        data_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    main = side = None
+    if groups_g > 1:  # same decision on every rank: group creation is world-wide
+        for pair in ("main", "side") if overlap else ("main",):
+            for module in modules:
+                for ranks in modules[module]:
+                    ranks = sorted(ranks)
+                    meta = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                    data = dist.new_group(ranks, backend=data_backend, timeout=timeout)
+                    if module == name and me in ranks and len(ranks) > 1 and sorted(mine) == ranks:
+                        coll = TorchCollectives(meta, data)
+                        if pair == "main":
+                            main = coll
+                        else:
+                            side = coll
+    return RankGroups(module=name, grid=grid, main=main, side=side)

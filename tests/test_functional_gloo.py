@@ -1,0 +1,47 @@
+"""Gloo multi-process functional suite (fork start): heterogeneous worlds, W 1-3, overlap on/off,
+and fault cases where every rank of the DP group must raise together (bounded by timeouts)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "functional_tests"))
+import gloo_suite  # noqa: E402
+
+LAYOUTS = [(2, 4, 8), (1, 2, 4), (2, 3, 12)]  # vision dp, language dp, B
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+@pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"v{x[0]}l{x[1]}")
+def test_heterogeneous_world(layout, overlap, window):
+    dv, dl, b = layout
+    argv = ["--vision-dp", str(dv), "--language-dp", str(dl), "--micro-batch", str(b), "--window", str(window),
+            overlap, "--micro-batches", "5"]
+    result = gloo_suite.launch(argv, dv + dl)
+    assert result["case"] == "ok" and result["micro_batches"] == 5
+
+
+def test_language_cost_weight_world():
+    result = gloo_suite.launch(["--vision-dp", "2", "--language-dp", "4", "--language-weight", "0.5"], 6)
+    assert result["micro_batches"] == 7
+
+
+@pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
+@pytest.mark.parametrize("case", ["source_raises", "bad_input", "early_end"])
+def test_faults_raise_on_every_rank(case, overlap):
+    result = gloo_suite.launch(["--vision-dp", "2", "--language-dp", "2", "--case", case, overlap,
+                                "--timeout", "30"], 4)
+    assert len(result["errors"]) == 1
+    msg = result["errors"][0]
+    expected = {"source_raises": "data source raised OSError: disk read failed at micro-batch 3",
+                "bad_input": "pad to a fixed",
+                "early_end": "micro-batch count of this window differs across the DP group"}[case]
+    assert msg.startswith("ReorderError") and expected in msg, msg
+
+
+def test_lost_peer_becomes_an_error():
+    # the last language rank exits before its first exchange; the survivor raises within the timeout
+    result = gloo_suite.launch(["--vision-dp", "1", "--language-dp", "2", "--case", "lost_peer", "--timeout", "10"], 3)
+    assert result["case"] == "lost_peer"
