@@ -40,15 +40,22 @@ def global_batches(seed, count, batch, seq_len, features):
         yield syn.make_global_batch(rng, batch, seq_len, features=features, mix="small", first_id=k * batch)
 
 
+def faulty_module(args):
+    """Where a fault case injects its fault: source errors on language, bad input on vision (when present)."""
+    if args.case == "source_raises" or args.vision_dp == 0:
+        return "language"
+    return "vision"
+
+
 def rank_source(args, module, dp, rank, device):
     fields = module_fields(module, CostModel(language_weight=args.language_weight))
     for k, g in enumerate(global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features)):
-        if args.case == "source_raises" and k == args.fault_at and module == "language" and rank == dp - 1:
+        if args.case == "source_raises" and k == args.fault_at and module == faulty_module(args) and rank == dp - 1:
             raise OSError(f"disk read failed at micro-batch {k}")
-        if args.case == "early_end" and k == args.fault_at and module == "vision" and rank == 0:
+        if args.case == "early_end" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             return
         share = syn.module_view(syn.rank_share(g, dp, rank), fields)
-        if args.case == "bad_input" and k == args.fault_at and module == "vision" and rank == 0:
+        if args.case == "bad_input" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             share = dict(share, input_ids=share["input_ids"][:, :-1])  # wrong width on one rank only
         yield share
 
@@ -61,6 +68,8 @@ def run(args) -> dict:
     if device is not None:
         torch.cuda.set_device(device)
     modules = {"vision": [list(range(dv))], "language": [list(range(dv, dv + dl))]}
+    if dv == 0:  # single-module world
+        del modules["vision"]
     groups = build_groups(modules, overlap=args.overlap, timeout=datetime.timedelta(seconds=args.timeout))
     module, grid = groups.module, groups.grid
     cost = CostModel(language_weight=args.language_weight)
@@ -129,7 +138,7 @@ def check_world(args, everyone) -> dict:
     dv, dl = args.vision_dp, args.language_dp
     errors = [s["error"] for s in everyone if s is not None]
     if args.case != "ok":  # every rank of the faulty module's DP group raised the same error
-        faulty = "language" if args.case == "source_raises" else "vision"
+        faulty = faulty_module(args)
         alive = [s for s in everyone if s["module"] == faulty]
         assert all(s["error"] for s in alive), f"case {args.case}: some ranks did not raise: {errors}"
         msgs = {s["error"] for s in alive}
@@ -140,9 +149,11 @@ def check_world(args, everyone) -> dict:
     assert not any(errors), errors
     vision = [s for s in everyone if s["module"] == "vision"]
     language = [s for s in everyone if s["module"] == "language"]
-    n = vision[0]["n"]
+    n = everyone[0]["n"]
     assert n == args.micro_batches and all(s["n"] == n for s in everyone), [s["n"] for s in everyone]
     for k in range(n):
+        if not vision:
+            continue
         if dl % dv == 0:
             inv.i4_bridge_alignment([s["ids"][k] for s in vision], [s["ids"][k] for s in language])
         # both modules hold the same canonical order, cut at their own rank boundaries

@@ -21,6 +21,7 @@ SIZE_MIXES = {
     "realistic": [(0.55, 2, 8), (0.35, 8, 20), (0.10, 20, 40)],
     "small": [(1.0, 1, 4)],
     "skewed": [(0.8, 1, 4), (0.2, 16, 32)],
+    "large": [(1.0, 16, 64)],  # 1k-16k patches per image
 }
 
 
@@ -97,3 +98,10 @@ def rank_share(batch: dict, dp: int, rank: int) -> dict:
     """Rank `rank`'s contiguous 1/dp share of a global micro-batch (scalable reads)."""
     b = batch["input_ids"].shape[0] // dp
     return take_samples(batch, np.arange(rank * b, (rank + 1) * b))
+
+
+def to_device(batch, device):
+    """Every tensor of a (nested) batch moved to `device`."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch.to(device) if isinstance(batch, torch.Tensor) else batch

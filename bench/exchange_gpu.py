@@ -1,0 +1,136 @@
+"""GPU exchange benchmark (torchrun --nproc-per-node 2 bench/exchange_gpu.py): realistic windows
+(seq 4096, 0-4 images of 1k-16k patches x 1176 bf16 features, MRoPE) on dp 2; the whole synchronous
+exchange next to a bare all_to_all_single of exactly the bytes it moved, in the same run; then the
+exposed (consumer-side) time per micro-batch with overlap while a fake compute step runs.
+Prints a table on rank 0 and writes JSON (--json)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from reorder import CostModel, WindowExchanger
+from reorder import synthetic as syn
+from reorder.buffer import ReorderingBuffer
+from reorder.dist import build_groups
+
+
+def timed(fn, reps):
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(ts))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--per-rank", type=int, nargs="+", default=[8])
+    p.add_argument("--windows", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--compute-ms", type=float, default=200.0, help="fake step time for the overlap run")
+    p.add_argument("--json")
+    args = p.parse_args()
+    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(minutes=5))
+    me, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", me)
+    torch.cuda.set_device(dev)
+    groups = build_groups({"language": [list(range(world))]}, overlap=True)
+    cost = CostModel()
+    rows = []
+    for per in args.per_rank:
+        for w in args.windows:
+            B = per * world
+            rng = np.random.default_rng(1234)
+            gl = [syn.make_global_batch(rng, B, 4096, features=1176, mix="large", first_id=k * B) for k in range(w)]
+            mine = [{k: v for k, v in syn.rank_share(g, world, me).items()} for g in gl]
+            on_dev = [syn.to_device(m, dev) for m in mine]
+            ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
+                                 collectives=groups.main, device=dev)
+            out, rep = ex.exchange(on_dev)
+            send_bytes = rep.sent_bytes
+            counts = torch.tensor([send_bytes], dtype=torch.int64)
+            allc = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(allc, counts, group=groups.main.meta_group)
+            # bare a2a of exactly the moved bytes: this rank sends all to its peer (dp 2)
+            recv_bytes = int(allc[1 - me]) if world == 2 else 0
+            send = torch.randint(0, 255, (send_bytes,), dtype=torch.uint8, device=dev)
+            recv = torch.empty(recv_bytes, dtype=torch.uint8, device=dev)
+            ins = [0] * world
+            outs = [0] * world
+            ins[1 - me], outs[1 - me] = send_bytes, recv_bytes
+
+            def bare():
+                dist.all_to_all_single(recv, send, outs, ins, group=groups.main.data_group)
+
+            exch_ms = timed(lambda: ex.exchange(on_dev), args.reps)
+            a2a_ms = timed(bare, args.reps)
+            t_host = timed(lambda: ex.exchange(mine), args.reps)  # from host batches (H2D inside)
+            rows.append(dict(per_rank=per, window=w, moved_mib=rep.moved_bytes / 2**20, sent_mib=send_bytes / 2**20,
+                             exchange_ms=exch_ms, a2a_ms=a2a_ms, ratio=exch_ms / a2a_ms if a2a_ms else None,
+                             exchange_from_host_ms=t_host, plan_ms=rep.plan_ms))
+    # overlap: exposed time per next() while a fake compute step of compute_ms runs on the GPU
+    w, per = 2, args.per_rank[0]
+    B = per * world
+    rng = np.random.default_rng(99)
+    stream_src = [syn.rank_share(syn.make_global_batch(rng, B, 4096, features=1176, mix="large", first_id=k * B),
+                                 world, me) for k in range(8)]
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    mm_ms = (time.perf_counter() - t) * 100
+    n_mm = max(1, int(args.compute_ms / mm_ms))
+    ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w, collectives=groups.side,
+                         device=dev)
+    exposed, steps = [], []
+    with ReorderingBuffer(iter(stream_src), ex, overlap=True) as buf:
+        it = iter(buf)
+        next(it)
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n_mm):
+                a @ a
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            mb = next(it)
+            mb["input_ids"].sum().item()
+            t2 = time.perf_counter()
+            exposed.append((t2 - t1) * 1e3)
+            steps.append((t2 - t0) * 1e3)
+        alive = buf.worker_alive
+    overlap = dict(exposed_ms_median=float(np.median(exposed)), step_ms_median=float(np.median(steps)),
+                   overlap_exposed_fraction=float(np.median(exposed) / np.median(steps)))
+    if me == 0:
+        print(f"{'per rank':>8} {'W':>2} {'moved MiB':>10} {'exchange ms':>12} {'bare a2a ms':>12} {'ratio':>7} "
+              f"{'from host ms':>13} {'plan ms':>8}")
+        for r in rows:
+            print(f"{r['per_rank']:8d} {r['window']:2d} {r['moved_mib']:10.1f} {r['exchange_ms']:12.2f} "
+                  f"{r['a2a_ms']:12.2f} {r['ratio']:7.2f} {r['exchange_from_host_ms']:13.2f} {r['plan_ms']:8.3f}")
+        print("overlap (W=2):", overlap, "worker alive during stream:", alive)
+        if args.json:
+            real = next(r for r in rows if r["per_rank"] == 8 and r["window"] == 1) if any(
+                r["per_rank"] == 8 and r["window"] == 1 for r in rows) else rows[0]
+            with open(args.json, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(0) + f" x{world}", rows=rows, overlap=overlap,
+                               exchange_over_a2a=real["ratio"],
+                               exchange_fixed_ms=real["exchange_ms"] - real["a2a_ms"],
+                               overlap_exposed_fraction=overlap["overlap_exposed_fraction"]), f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
