@@ -74,18 +74,35 @@ def main():
                 dist.all_to_all_single(recv, send, outs, ins, group=groups.main.data_group)
 
             exch_ms = timed(lambda: ex.exchange(on_dev), args.reps)
+            prof = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
+                                   collectives=groups.main, device=dev, profile_stages=True)
+            stages = [prof.exchange(on_dev)[1].stage_ms for _ in range(args.reps)]
+            stage_ms = {k: float(np.median([st[k] for st in stages])) for k in stages[0]}
+            pinned = [syn.pin(m) for m in mine]
             a2a_ms = timed(bare, args.reps)
-            t_host = timed(lambda: ex.exchange(mine), args.reps)  # from host batches (H2D inside)
+            t_host = timed(lambda: ex.exchange(pinned), args.reps)  # from pinned host batches (H2D inside)
             rows.append(dict(per_rank=per, window=w, moved_mib=rep.moved_bytes / 2**20, sent_mib=send_bytes / 2**20,
                              exchange_ms=exch_ms, a2a_ms=a2a_ms, ratio=exch_ms / a2a_ms if a2a_ms else None,
-                             exchange_from_host_ms=t_host, plan_ms=rep.plan_ms))
+                             exchange_from_host_ms=t_host, plan_ms=rep.plan_ms, stage_ms=stage_ms))
+    # dp-1 local permutation (no communication) on device-resident micro-batches
+    perm = {}
+    for mb in (4, 32):
+        rng = np.random.default_rng(7)
+        g = syn.to_device(syn.make_global_batch(rng, mb, 4096, features=1176, mix="large"), dev)
+        loc = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), global_batch=mb, cost=cost,
+                              device=dev)
+        loc.exchange([g])
+        perm[mb] = timed(lambda: loc.exchange([g]), args.reps * 2)
     # overlap: exposed time per next() while a fake compute step of compute_ms runs on the GPU
     w, per = 2, args.per_rank[0]
     B = per * world
     rng = np.random.default_rng(99)
     stream_src = [syn.rank_share(syn.make_global_batch(rng, B, 4096, features=1176, mix="large", first_id=k * B),
                                  world, me) for k in range(8)]
+    stream_src = [syn.pin(m) for m in stream_src]
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ a
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(10):
@@ -120,6 +137,8 @@ def main():
         for r in rows:
             print(f"{r['per_rank']:8d} {r['window']:2d} {r['moved_mib']:10.1f} {r['exchange_ms']:12.2f} "
                   f"{r['a2a_ms']:12.2f} {r['ratio']:7.2f} {r['exchange_from_host_ms']:13.2f} {r['plan_ms']:8.3f}")
+            print("         stages (ms, synchronized):", {k: round(v, 3) for k, v in r["stage_ms"].items()})
+        print("dp-1 local permutation ms:", perm)
         print("overlap (W=2):", overlap, "worker alive during stream:", alive)
         if args.json:
             real = next(r for r in rows if r["per_rank"] == 8 and r["window"] == 1) if any(
@@ -128,7 +147,8 @@ def main():
                 json.dump(dict(device=torch.cuda.get_device_name(0) + f" x{world}", rows=rows, overlap=overlap,
                                exchange_over_a2a=real["ratio"],
                                exchange_fixed_ms=real["exchange_ms"] - real["a2a_ms"],
-                               overlap_exposed_fraction=overlap["overlap_exposed_fraction"]), f, indent=2)
+                               overlap_exposed_fraction=overlap["overlap_exposed_fraction"],
+                               dp1_perm_ms_mb4=perm[4], dp1_perm_ms_mb32=perm[32]), f, indent=2)
     dist.destroy_process_group()
 
 

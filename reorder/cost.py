@@ -49,7 +49,8 @@ class CostModel:
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected "
                                  f"[B, S] = {tuple(input_ids.shape)} for the language cost")
             real = (attention_mask != 0).sum(dim=1)
-        return placeholders.cpu(), real.cpu(), images.cpu()
+        counts = torch.stack([placeholders, real.to(placeholders.dtype), images]).cpu()  # one host sync
+        return counts[0], counts[1], counts[2]
 
     def costs(self, placeholders, real_tokens) -> np.ndarray:
         """float64 [B] costs from integer counts (array-like); same bits on every rank."""

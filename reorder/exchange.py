@@ -50,6 +50,7 @@ class WindowReport:
     sent_bytes: int  # this rank's all_to_all send size
     plan_ms: float
     exchange_ms: float
+    stage_ms: dict | None = None  # prepare, gather, plan, pack, all_to_all, assemble (see profile_stages)
 
     @property
     def max_before(self) -> float:
@@ -97,7 +98,7 @@ class WindowExchanger:
 
     def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "lpt",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, profile_stages: bool = False):
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -110,6 +111,7 @@ class WindowExchanger:
         self.grid, self.global_batch, self.cost, self.balancer = grid, global_batch, cost, balancer
         self.window_size, self.collectives, self.batch_dims = window_size, collectives, batch_dims
         self.device = None if device is None else torch.device(device)
+        self.profile_stages = profile_stages  # synchronize the device at stage boundaries (benchmarks only)
         self.local_batch = global_batch // grid.dp
 
     # ---- local part -------------------------------------------------------------------------
@@ -121,12 +123,15 @@ class WindowExchanger:
             raise ValueError(f"window has {len(batches)} micro-batches: expected 1..window_size={self.window_size}")
         layouts, shards, counts = [], [], []
         for slot, batch in enumerate(batches):
+            ids = batch.get("input_ids") if isinstance(batch, dict) else None
+            if not isinstance(ids, torch.Tensor):
+                raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
+            placeholders, real, images = self.cost.token_counts(ids, batch.get("attention_mask"))
             layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
-                                     batch_dims=self.batch_dims)
+                                     batch_dims=self.batch_dims, image_counts=images)
             if layouts and layout != layouts[0]:
                 raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
                                   f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
-            placeholders, real, images = self.cost.token_counts(batch["input_ids"], batch.get("attention_mask"))
             rows = torch.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts
             if shard.row_counts is not None:
                 merge2 = self.cost.spatial_merge_size ** 2
@@ -157,18 +162,21 @@ class WindowExchanger:
     def _check(self, gathered: torch.Tensor):
         """Raise the same ReorderError on every rank if any rank failed or configs differ."""
         h = len(HEADER)
-        head, texts = gathered[:, :h], gathered[:, h:h + TEXT_BYTES // 8]
-        errors = [(q, _int64_to_text(texts[q])) for q in range(gathered.shape[0]) if int(head[q, 1])]
+        head_t, texts = gathered[:, :h], gathered[:, h:h + TEXT_BYTES // 8]
+        head = head_t.tolist()
+        if all(row == head[0] for row in head[1:]) and not head[0][1]:
+            return  # fast path: no error, identical configs and layouts
+        errors = [(q, _int64_to_text(texts[q])) for q in range(len(head)) if head[q][1]]
         if errors:
             raise ReorderError("reorder failed on " + "; ".join(f"rank {q}: {m}" for q, m in errors))
         for j, name in enumerate(HEADER):
-            col = head[:, j].tolist()
+            col = [row[j] for row in head]
             if len(set(col)) > 1:
                 if name == "slots":
                     raise ReorderError("micro-batch count of this window differs across the DP group (a data "
                                        "iterator ended early or yields a different number of micro-batches): "
                                        + ", ".join(f"rank {q}: {v}" for q, v in enumerate(col)))
-                if name == "layout" and 0 in head[:, 2].tolist():
+                if name == "layout" and 0 in [row[2] for row in head]:
                     continue
                 if name == "layout":
                     sigs = {v: _int64_to_text(texts[q]) for q, v in enumerate(col)}
@@ -193,6 +201,13 @@ class WindowExchanger:
         failure found while reading this rank's window (e.g. the data source raised): it is shared
         like a validation error, so every rank raises."""
         t0 = time.perf_counter()
+        marks = [("start", t0)]
+
+        def mark(name):
+            if self.profile_stages and self.device is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            marks.append((name, time.perf_counter()))
+
         batches = list(batches)
         local = None
         if error is None:
@@ -215,7 +230,9 @@ class WindowExchanger:
         meta[len(HEADER):len(HEADER) + TEXT_BYTES // 8] = _text_to_int64(text)
         if local is not None:
             meta[len(HEADER) + TEXT_BYTES // 8:len(HEADER) + TEXT_BYTES // 8 + W * b * COLS] = local[2].reshape(-1)
+        mark("prepare")
         gathered = self.collectives.all_gather(meta)
+        mark("gather")
         self._check(gathered)
         if W == 0:
             return [], None
@@ -227,17 +244,16 @@ class WindowExchanger:
         orders = plan_orders(costs, self.grid.groups, self.balancer)
         routes = window_routes(orders, dp, self.grid.rank)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
+        mark("plan")
         flat = counts.reshape(W * B, COLS)
 
         def piece_sizes(natural_ids):
             """[W] packed bytes of the samples `natural_ids` (flat slot*B + j), per slot."""
             slot = natural_ids // B
-            out = []
-            for s in range(W):
-                sel = flat[natural_ids[slot == s]]
-                out.append(packing.nbytes(layout, len(sel), int(sel[:, 3].sum()), int(sel[:, 2].sum()),
-                                          int(sel[:, 4].sum())))
-            return out
+            sel = flat[natural_ids]
+            n = np.bincount(slot, minlength=W)
+            sums = [np.bincount(slot, weights=sel[:, c], minlength=W).astype(np.int64) for c in (3, 2, 4)]
+            return packing.nbytes_many(layout, n, *sums).tolist()
 
         r = self.grid.rank
         send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
@@ -255,9 +271,11 @@ class WindowExchanger:
                     written = packing.pack(layout, shards[s][0], local_idx, send[off:off + size], blobs=shards[s][1])
                     assert written == size, (written, size)
                 off += size
+        mark("pack")
         recv = self.collectives.all_to_all(send, [sum(x) for x in send_sizes], [sum(x) for x in recv_sizes])
         if len(recv) != sum(map(sum, recv_sizes)):
             raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {sum(map(sum, recv_sizes))}")
+        mark("all_to_all")
         pieces, off = {}, 0
         for q in range(dp):
             ids = routes.recv_natural[q]
@@ -274,6 +292,7 @@ class WindowExchanger:
             if len(np.unique(g)) != b or g.min() < 0 or g.max() >= sum(x.n for x in sources):
                 raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
             out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
+        mark("assemble")
         moved = orders_moved(orders, dp)
         sample_bytes = (layout.dense_sample_bytes + flat[:, 3] * layout.row_bytes + flat[:, 2] * layout.image_bytes
                         + flat[:, 4])
@@ -281,7 +300,8 @@ class WindowExchanger:
                               loads_after=rank_loads(costs, orders, dp), moved_samples=int(moved.sum()),
                               total_samples=W * B, moved_bytes=int(sample_bytes[moved.reshape(-1)].sum()),
                               sent_bytes=int(len(send)), plan_ms=plan_ms,
-                              exchange_ms=(time.perf_counter() - t0) * 1e3)
+                              exchange_ms=(time.perf_counter() - t0) * 1e3,
+                              stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])})
         return out, report
 
     def _local(self, batches, local, t0):

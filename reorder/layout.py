@@ -133,7 +133,7 @@ def _walk(obj, path=()):
 
 
 def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
-             batch_dims: dict | None = None) -> tuple[BatchLayout, Shard]:
+             batch_dims: dict | None = None, image_counts: torch.Tensor | None = None) -> tuple[BatchLayout, Shard]:
     """Split one rank's micro-batch of `local_batch` samples into its layout and a shard.
 
     Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
@@ -176,12 +176,12 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
         shard.lists = list(zip(*cols))
     grid_path = None
     if vision:
-        grid_path = _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard)
+        grid_path = _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts)
     layout = BatchLayout(tuple(dense), tuple(ragged), tuple(lists), grid_path)
     return layout, shard
 
 
-def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard):
+def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts=None):
     grids = [(p, v) for p, v in vision if p[-1] == "grid_thw"]
     if len(grids) != 1:
         raise LayoutError(f"modality_inputs must hold exactly one 'grid_thw' tensor, found {len(grids)}: "
@@ -190,7 +190,8 @@ def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, sh
     if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
         raise LayoutError(f"field {'/'.join(grid_path)!r} must be an [n_images, 3] tensor")
     enc = grid_path[:-1]
-    image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64)
+    if image_counts is None:
+        image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64)
     n_img = int(image_counts.sum())
     if grid.shape[0] != n_img:
         raise LayoutError(f"field {'/'.join(grid_path)!r} has {grid.shape[0]} images but input_ids holds "

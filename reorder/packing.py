@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import torch
 
 from reorder.layout import BatchLayout, Shard
@@ -49,6 +50,21 @@ def ragged_index(counts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(shift, sel) + torch.arange(total, dtype=torch.int64)
 
 
+class _DeviceCache:
+    """Copies each CPU index tensor to a device once per call (one small H2D copy, not one per field)."""
+
+    def __init__(self):
+        self._seen = {}
+
+    def __call__(self, t: torch.Tensor, device) -> torch.Tensor:
+        if device.type == "cpu":
+            return t
+        key = (id(t), device)
+        if key not in self._seen:
+            self._seen[key] = (t, t.to(device, non_blocking=True))
+        return self._seen[key][1]
+
+
 def _cat(tensors, dim):
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
@@ -57,9 +73,10 @@ def take(layout: BatchLayout, shards: list, index) -> Shard:
     """Samples `index` (into the concatenation of `shards`, in that order) as a new shard."""
     index = torch.as_tensor(index, dtype=torch.int64)
     out = Shard(n=len(index))
+    on = _DeviceCache()
     for f in layout.dense:
         src = _cat([bytes_view(s.dense[f.path]) for s in shards], f.batch_dim)
-        out.dense[f.path] = from_bytes(src.index_select(f.batch_dim, index.to(src.device)), f.dtype)
+        out.dense[f.path] = from_bytes(src.index_select(f.batch_dim, on(index, src.device)), f.dtype)
     if layout.ragged:
         rows = _cat([s.row_counts for s in shards], 0)
         imgs = _cat([s.image_counts for s in shards], 0)
@@ -67,7 +84,7 @@ def take(layout: BatchLayout, shards: list, index) -> Shard:
         for f in layout.ragged:
             src = _cat([bytes_view(s.ragged[f.path]) for s in shards], 0)
             idx = row_idx if f.per == "row" else img_idx
-            out.ragged[f.path] = from_bytes(src.index_select(0, idx.to(src.device)), f.dtype)
+            out.ragged[f.path] = from_bytes(src.index_select(0, on(idx, src.device)), f.dtype)
         out.row_counts, out.image_counts = rows[index], imgs[index]
     if layout.lists:
         entries = [e for s in shards for e in s.lists]
@@ -82,19 +99,31 @@ def nbytes(layout: BatchLayout, n: int, rows: int, images: int, list_bytes: int)
     return total + _align(list_bytes)
 
 
+def nbytes_many(layout: BatchLayout, n, rows, images, list_bytes):
+    """Vectorized `nbytes` over int64 arrays of equal length."""
+    n, rows, images, lb = (np.asarray(x, dtype=np.int64) for x in (n, rows, images, list_bytes))
+    al = lambda x: (x + ALIGN - 1) // ALIGN * ALIGN  # noqa: E731
+    total = al(lb)
+    for f in layout.dense:
+        total = total + al(n * f.sample_bytes)
+    for f in layout.ragged:
+        total = total + al((rows if f.per == "row" else images) * f.entry_bytes)
+    return total
+
+
 def pack(layout: BatchLayout, shard: Shard, index, out: torch.Tensor, blobs=None) -> int:
     """Write samples `index` of `shard` into the uint8 buffer `out` (from offset 0); returns bytes
     written. `blobs` are the shard's per-sample pickled list entries (Shard.list_blobs())."""
     index = torch.as_tensor(index, dtype=torch.int64)
     n, off = len(index), 0
-    dev_index = index.to(out.device)
+    on = _DeviceCache()
     for f in layout.dense:
         src = bytes_view(shard.dense[f.path])
         shape = list(src.shape)
         shape[f.batch_dim] = n
         size = n * f.sample_bytes
         region = out[off:off + size].view(shape)
-        torch.index_select(src, f.batch_dim, dev_index.to(src.device), out=region)
+        torch.index_select(src, f.batch_dim, on(index, src.device), out=region)
         off += _align(size)
     if layout.ragged:
         idx = {"row": ragged_index(shard.row_counts, index), "image": ragged_index(shard.image_counts, index)}
@@ -103,7 +132,7 @@ def pack(layout: BatchLayout, shard: Shard, index, out: torch.Tensor, blobs=None
             sel = idx[f.per]
             size = len(sel) * f.entry_bytes
             region = out[off:off + size].view(len(sel), *src.shape[1:])
-            torch.index_select(src, 0, sel.to(src.device), out=region)
+            torch.index_select(src, 0, on(sel, src.device), out=region)
             off += _align(size)
     if layout.lists:
         blobs = shard.list_blobs() if blobs is None else blobs

@@ -105,3 +105,10 @@ def to_device(batch, device):
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch.to(device) if isinstance(batch, torch.Tensor) else batch
+
+
+def pin(batch):
+    """Every tensor of a (nested) batch in pinned host memory (fast, asynchronous H2D copies)."""
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    return batch.pin_memory() if isinstance(batch, torch.Tensor) else batch

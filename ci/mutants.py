@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Mutation check: the CPU test suite must catch deliberately broken implementations.
+
+For every mutation below: copy the repository (tracked + untracked-not-ignored files) into a temp
+dir, apply the mutation as an exact string replacement in one file (the old string must occur
+exactly once), run the relevant tests there and record whether they failed and which test failed
+first. Prints a markdown table and exits 1 if any mutation survives (2 if the unmutated copy
+already fails, i.e. the check itself is meaningless).
+
+    python ci/mutants.py                     # all mutations
+    python ci/mutants.py -k lpt -k routes    # only mutations whose name contains one of these
+    python ci/mutants.py --list              # print the mutations and exit
+    python ci/mutants.py -- --hypothesis-seed=0   # extra pytest args after --
+
+Each run: `python -m pytest -x -q -p no:cacheprovider -n 2 <tests>` in the copy, with
+PYTHONPATH=<copy> and HYPOTHESIS_PROFILE=ci. A run that exceeds --timeout counts as caught
+(the suite would hang / fail CI) and is marked as a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ALL_TESTS = ("tests/test_grid_cost_plan.py", "tests/test_routes.py", "tests/test_packing.py",
+             "tests/test_exchange_emulated.py")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple = ALL_TESTS
+
+
+MUTATIONS = [
+    # 1. LPT visit order (-cost, -index) instead of (-cost, index): ties broken the wrong way.
+    Mutation("lpt tie-break flipped (-cost, -index)", "reorder/balancers.py",
+             "visit = np.lexsort((np.arange(n), -np.asarray(costs, dtype=np.float64)))",
+             "visit = np.lexsort((-np.arange(n), -np.asarray(costs, dtype=np.float64)))"),
+    # 2a. Reassembly gather of slot s reads the canonical order of slot s-1.
+    Mutation("routes gather uses previous slot's order", "reorder/routes.py",
+             "nat = orders[s, rank * b:(rank + 1) * b]",
+             "nat = orders[s - 1, rank * b:(rank + 1) * b]"),
+    # 2b. Stable sort key without the slot term: pieces ordered by (position, slot), not (slot, position).
+    Mutation("routes sort key drops slot term", "reorder/routes.py",
+             "key = (np.arange(slots)[:, None] * batch + pos).reshape(-1)",
+             "key = (np.zeros((slots, 1), dtype=np.int64) + pos).reshape(-1)"),
+    # 3a. Received pieces of the other sources concatenated in descending source order.
+    Mutation("exchange receive sources reversed", "reorder/exchange.py",
+             "sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if q != r]",
+             "sources = [shards[s][0]] + [pieces[q, s] for q in reversed(range(dp)) if q != r]"),
+    # 3b. Within one source, arrival order assumed descending instead of ascending.
+    Mutation("routes arrival order within source reversed", "reorder/routes.py",
+             "idx[from_q] = base + np.arange(int(from_q.sum()))",
+             "idx[from_q] = base + np.arange(int(from_q.sum()))[::-1]"),
+    # 4a. ragged_index off by one: every sample's rows start one entry late (neighbour's first row).
+    Mutation("packing ragged_index off-by-one", "reorder/packing.py",
+             "starts = torch.cumsum(counts, 0) - counts",
+             "starts = torch.cumsum(counts, 0) - counts + 1"),
+    # 4b. pack() does not pad the dense regions to ALIGN (unpack/nbytes still do).
+    Mutation("packing pack skips ALIGN padding (dense)", "reorder/packing.py",
+             "torch.index_select(src, f.batch_dim, dev_index.to(src.device), out=region)\n"
+             "        off += _align(size)",
+             "torch.index_select(src, f.batch_dim, dev_index.to(src.device), out=region)\n"
+             "        off += size"),
+    # 5a. spatial merge factor not squared.
+    Mutation("cost merge factor not squared", "reorder/cost.py",
+             "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
+             "merge2 = float(self.spatial_merge_size)"),
+    # 5b. real-token count includes padding.
+    Mutation("cost attention mask counts padding", "reorder/cost.py",
+             "real = (attention_mask != 0).sum(dim=1)",
+             "real = (attention_mask >= 0).sum(dim=1)"),
+    # 6. owner of a canonical group round-robin (modulo) instead of contiguous blocks (division).
+    Mutation("grid owner modulo instead of division", "reorder/grid.py",
+             "return group // self.groups_per_rank",
+             "return group % self.dp"),
+    # 7a. exchange language cost from the image-count column instead of real tokens.
+    Mutation("exchange cost real-token column -> images", "reorder/exchange.py",
+             "t_plan = time.perf_counter()\n"
+             "        costs = self.cost.costs(counts[..., 0], counts[..., 1])\n"
+             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
+             "        routes = ",
+             "t_plan = time.perf_counter()\n"
+             "        costs = self.cost.costs(counts[..., 0], counts[..., 2])\n"
+             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
+             "        routes = "),
+    # 7b. exchange encoder cost from the image-count column instead of placeholders.
+    Mutation("exchange cost placeholder column -> images", "reorder/exchange.py",
+             "t_plan = time.perf_counter()\n"
+             "        costs = self.cost.costs(counts[..., 0], counts[..., 1])\n"
+             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
+             "        routes = ",
+             "t_plan = time.perf_counter()\n"
+             "        costs = self.cost.costs(counts[..., 2], counts[..., 1])\n"
+             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
+             "        routes = "),
+    # 8. the error bit of the all-gathered header is always 0: a rank-local error is not shared.
+    Mutation("exchange header error bit always 0", "reorder/exchange.py",
+             "return [MAGIC, int(error), slots,",
+             "return [MAGIC, 0, slots,"),
+    # 9. MRoPE position_ids [3, B, S] described with batch dim 0.
+    Mutation("layout position_ids batch dim 0", "reorder/layout.py",
+             "want = 1 if v.dim() == 3 else 0",
+             "want = 0"),
+]
+
+
+def repo_files(root: str) -> list:
+    """Tracked + untracked-not-ignored files (falls back to a walk without .git/.venv/caches)."""
+    try:
+        out = subprocess.run(["git", "-C", root, "ls-files", "-z", "-c", "-o", "--exclude-standard"],
+                             check=True, capture_output=True).stdout
+        files = [f for f in out.decode().split("\0") if f]
+        return sorted({f for f in files if os.path.isfile(os.path.join(root, f))})
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "__pycache__", ".hypothesis", ".pytest_cache", "build"}
+        files = []
+        for d, dirs, names in os.walk(root):
+            dirs[:] = [x for x in dirs if x not in skip and not x.endswith(".egg-info")]
+            files += [os.path.relpath(os.path.join(d, n), root) for n in names]
+        return sorted(files)
+
+
+def copy_repo(files: list, dest: str) -> None:
+    for f in files:
+        target = os.path.join(dest, f)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), target)
+
+
+def apply(m: Mutation, dest: str) -> None:
+    path = os.path.join(dest, m.path)
+    with open(path) as fh:
+        text = fh.read()
+    n = text.count(m.old)
+    if n != 1:
+        raise SystemExit(f"mutation {m.name!r}: old string occurs {n} times in {m.path} (must be exactly once)")
+    with open(path, "w") as fh:
+        fh.write(text.replace(m.old, m.new))
+
+
+FAIL_RE = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
+
+
+def run_tests(dest: str, tests, extra, timeout: float):
+    """(failed, first failing test id or note, seconds, output)."""
+    env = dict(os.environ, PYTHONPATH=dest, HYPOTHESIS_PROFILE="ci", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "2", "-rfE",
+           *extra, *tests]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return True, f"(timeout after {timeout:.0f} s)", time.monotonic() - t0, out
+    out = p.stdout + p.stderr
+    m = FAIL_RE.search(out)
+    first = m.group(2) if m else ("" if p.returncode == 0 else f"(exit {p.returncode}, no test id)")
+    return p.returncode != 0, first, time.monotonic() - t0, out
+
+
+def check_imports_from_copy(dest: str) -> None:
+    env = dict(os.environ, PYTHONPATH=dest)
+    got = subprocess.run([sys.executable, "-c", "import reorder, spec; print(reorder.__file__); print(spec.__file__)"],
+                         cwd=dest, env=env, capture_output=True, text=True, check=True).stdout.split()
+    real = os.path.realpath(dest)
+    if not all(os.path.realpath(x).startswith(real + os.sep) for x in got):
+        raise SystemExit(f"reorder/spec import from {got}, not from the copy {dest}: fix PYTHONPATH / installs")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-k", action="append", default=[], help="only mutations whose name contains this")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per pytest run (default 240)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print pytest output of survivors/timeouts")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest args (after --)")
+    args = ap.parse_args(argv)
+    muts = [m for m in MUTATIONS if not args.k or any(k in m.name for k in args.k)]
+    if args.list:
+        for m in muts:
+            print(f"{m.name}: {m.path}")
+        return 0
+    files = repo_files(ROOT)
+    t_all = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="reorder-mutants-") as tmp:
+        # every mutation must apply cleanly before anything runs
+        for i, m in enumerate(muts):
+            dest = os.path.join(tmp, f"m{i}")
+            copy_repo(files, dest)
+            apply(m, dest)
+        if not args.no_baseline:
+            base = os.path.join(tmp, "base")
+            copy_repo(files, base)
+            check_imports_from_copy(base)
+            failed, first, secs, out = run_tests(base, ALL_TESTS, args.pytest_args, args.timeout)
+            print(f"baseline (unmutated): {'FAILED ' + first if failed else 'passed'} in {secs:.0f} s", flush=True)
+            if failed:
+                print(out[-4000:])
+                return 2
+        rows, survivors = [], []
+        for i, m in enumerate(muts):
+            dest = os.path.join(tmp, f"m{i}")
+            failed, first, secs, out = run_tests(dest, m.tests, args.pytest_args, args.timeout)
+            caught = "yes" if failed else "**NO**"
+            print(f"[{i + 1}/{len(muts)}] {m.name}: {'caught' if failed else 'SURVIVED'} ({secs:.0f} s) {first}",
+                  file=sys.stderr, flush=True)
+            if not failed:
+                survivors.append(m)
+            if args.verbose and (not failed or first.startswith("(timeout")):
+                print(out[-4000:], file=sys.stderr)
+            rows.append((m.name, m.path, caught, f"`{first}`" if first else "-", secs))
+    print()
+    print("| mutation | file | caught? | first failing test |")
+    print("|---|---|---|---|")
+    for name, path, caught, first, _ in rows:
+        print(f"| {name} | {path} | {caught} | {first} |")
+    print()
+    print(f"{len(rows) - len(survivors)}/{len(rows)} mutations caught in {time.monotonic() - t_all:.0f} s")
+    if survivors:
+        print("SURVIVED: " + ", ".join(m.name for m in survivors))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
