@@ -44,6 +44,11 @@ class Mutation:
     tests: tuple = ALL_TESTS
 
 
+# the distributed path's cost line (the dp == 1 path has the same line without the routes after it)
+EXCHANGE_COSTS = ("costs = self.cost.costs(counts[..., 0], counts[..., 1])\n"
+                  "        orders, gated = self._plan(costs)\n"
+                  "        routes = window_routes(")
+
 MUTATIONS = [
     # 1. LPT visit order (-cost, -index) instead of (-cost, index): ties broken the wrong way.
     Mutation("lpt tie-break flipped (-cost, -index)", "reorder/balancers.py",
@@ -69,12 +74,10 @@ MUTATIONS = [
     Mutation("packing ragged_index off-by-one", "reorder/packing.py",
              "starts = torch.cumsum(counts, 0) - counts",
              "starts = torch.cumsum(counts, 0) - counts + 1"),
-    # 4b. pack() does not pad the dense regions to ALIGN (unpack/nbytes still do).
+    # 4b. pack() does not pad the dense regions to ALIGN (unpack/nbytes still do); `idx = {` is pack-only.
     Mutation("packing pack skips ALIGN padding (dense)", "reorder/packing.py",
-             "torch.index_select(src, f.batch_dim, dev_index.to(src.device), out=region)\n"
-             "        off += _align(size)",
-             "torch.index_select(src, f.batch_dim, dev_index.to(src.device), out=region)\n"
-             "        off += size"),
+             "off += _align(size)\n    if layout.ragged:\n        idx = {",
+             "off += size\n    if layout.ragged:\n        idx = {"),
     # 5a. spatial merge factor not squared.
     Mutation("cost merge factor not squared", "reorder/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
@@ -89,24 +92,12 @@ MUTATIONS = [
              "return group % self.dp"),
     # 7a. exchange language cost from the image-count column instead of real tokens.
     Mutation("exchange cost real-token column -> images", "reorder/exchange.py",
-             "t_plan = time.perf_counter()\n"
-             "        costs = self.cost.costs(counts[..., 0], counts[..., 1])\n"
-             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
-             "        routes = ",
-             "t_plan = time.perf_counter()\n"
-             "        costs = self.cost.costs(counts[..., 0], counts[..., 2])\n"
-             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
-             "        routes = "),
+             EXCHANGE_COSTS,
+             EXCHANGE_COSTS.replace("counts[..., 0], counts[..., 1]", "counts[..., 0], counts[..., 2]")),
     # 7b. exchange encoder cost from the image-count column instead of placeholders.
     Mutation("exchange cost placeholder column -> images", "reorder/exchange.py",
-             "t_plan = time.perf_counter()\n"
-             "        costs = self.cost.costs(counts[..., 0], counts[..., 1])\n"
-             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
-             "        routes = ",
-             "t_plan = time.perf_counter()\n"
-             "        costs = self.cost.costs(counts[..., 2], counts[..., 1])\n"
-             "        orders = plan_orders(costs, self.grid.groups, self.balancer)\n"
-             "        routes = "),
+             EXCHANGE_COSTS,
+             EXCHANGE_COSTS.replace("counts[..., 0], counts[..., 1]", "counts[..., 2], counts[..., 1]")),
     # 8. the error bit of the all-gathered header is always 0: a rank-local error is not shared.
     Mutation("exchange header error bit always 0", "reorder/exchange.py",
              "return [MAGIC, int(error), slots,",
@@ -152,7 +143,7 @@ def apply(m: Mutation, dest: str) -> None:
         fh.write(text.replace(m.old, m.new))
 
 
-FAIL_RE = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
+FAIL_RE = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", re.M)  # node ids may contain spaces
 
 
 def run_tests(dest: str, tests, extra, timeout: float):
@@ -168,7 +159,7 @@ def run_tests(dest: str, tests, extra, timeout: float):
         return True, f"(timeout after {timeout:.0f} s)", time.monotonic() - t0, out
     out = p.stdout + p.stderr
     m = FAIL_RE.search(out)
-    first = m.group(2) if m else ("" if p.returncode == 0 else f"(exit {p.returncode}, no test id)")
+    first = m.group(1).strip() if m else ("" if p.returncode == 0 else f"(exit {p.returncode}, no test id)")
     return p.returncode != 0, first, time.monotonic() - t0, out
 
 
@@ -187,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per pytest run (default 240)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    ap.add_argument("--tests", nargs="+", help="override the test files of every mutation")
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest output of survivors/timeouts")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest args (after --)")
     args = ap.parse_args(argv)
@@ -215,7 +207,7 @@ def main(argv=None) -> int:
         rows, survivors = [], []
         for i, m in enumerate(muts):
             dest = os.path.join(tmp, f"m{i}")
-            failed, first, secs, out = run_tests(dest, m.tests, args.pytest_args, args.timeout)
+            failed, first, secs, out = run_tests(dest, args.tests or m.tests, args.pytest_args, args.timeout)
             caught = "yes" if failed else "**NO**"
             print(f"[{i + 1}/{len(muts)}] {m.name}: {'caught' if failed else 'SURVIVED'} ({secs:.0f} s) {first}",
                   file=sys.stderr, flush=True)

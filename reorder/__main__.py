@@ -1,20 +1,45 @@
-"""Command line: `python -m reorder demo` (more sub-commands: `python -m reorder -h`)."""
+"""Command line: `python -m reorder demo` (real processes, invariants checked every window) and
+`python -m reorder simulate` (what-if replay of your own per-sample costs); `python -m reorder -h`.
+
+Exit status: 0 success, 1 the run failed (an invariant, a rank), 2 bad flags or a bad input file.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def main(argv=None) -> int:
-    from reorder import demo
+    from reorder import demo, simulate
+    from reorder.cli_util import CliError
 
-    parser = argparse.ArgumentParser(prog="python -m reorder")
+    parser = argparse.ArgumentParser(prog="python -m reorder",
+                                     description="Rebalance multimodal micro-batches across DP ranks: demo and "
+                                                 "what-if simulator.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo.add_args(sub.add_parser("demo", help="reorder a synthetic stream and check every invariant"))
+    demo.add_args(sub.add_parser(
+        "demo", help="real Gloo processes reorder a synthetic stream; every invariant checked every window",
+        description=demo.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter))
+    simulate.add_args(sub.add_parser(
+        "simulate", help="replay per-sample costs / image sizes from a file (or a synthetic mix) per balancer",
+        description=simulate.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        demo.run(args)
+    try:
+        if args.command == "demo":
+            demo.run(args)
+        else:
+            simulate.run(args)
+    except CliError as e:
+        print(f"python -m reorder {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

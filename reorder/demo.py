@@ -1,92 +1,380 @@
-"""`python -m reorder demo`: stream synthetic Qwen-VL-like micro-batches through the window
-exchange for a heterogeneous layout (default vision dp 2 + language dp 4) on emulated ranks,
-check every invariant on every window, and print a summary table."""
+"""`python -m reorder demo`: a heterogeneous MIMO layout (default vision dp 2 + language dp 4) on
+real torch.distributed CPU processes (Gloo, fork start), streaming synthetic Qwen-VL-like
+micro-batches through `ReorderingBuffer` + `WindowExchanger`, checking every window that the
+modules stay aligned and every sample arrives byte-exact (I1-I8), and ending with a summary table.
+
+Every rank generates the same seeded global stream and reads its own contiguous share (scalable
+reads). After each window every rank checks its own output (I3, I4 its rank, I5 byte-exact against
+the spec's per-sample view of the natural batch), then one world-wide `all_gather_object` shares
+sample ids, orders and figures, and every rank runs the same cross-module checks (I1, I2, I4 bridge
+alignment, I6, I7, I8 and, for "lpt", equality with the spec's reference), so all ranks stop
+together on a violation. `--emulated` runs the old in-process path (threads, reorder.harness).
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
+import sys
 import time
+from collections import deque
 
 import numpy as np
 
-from reorder import harness
-from reorder import synthetic as syn
-from reorder.cost import CostModel
-from reorder.grid import canonical_grid
+from reorder.cli_util import CliError, check_plot_path, human_stream, make_plot, write_json
+
+MODULES = ("vision", "language")
 
 
 def add_args(p: argparse.ArgumentParser):
-    p.add_argument("--vision-dp", type=int, default=2)
-    p.add_argument("--language-dp", type=int, default=4)
-    p.add_argument("--micro-batch", type=int, default=16, help="global micro-batch size B")
-    p.add_argument("--window", type=int, default=1, help="micro-batches per exchange window (W)")
-    p.add_argument("--windows", type=int, default=12, help="number of windows to stream")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--features", type=int, default=64, help="patch feature width")
-    p.add_argument("--balancer", default="lpt")
-    p.add_argument("--mix", default="realistic", choices=sorted(syn.SIZE_MIXES))
-    p.add_argument("--language-weight", type=float, default=0.0)
+    from reorder import synthetic as syn
+    from reorder.balancers import BALANCERS
+
+    p.add_argument("--vision-dp", type=int, default=2, help="vision encoder DP size (default 2)")
+    p.add_argument("--language-dp", type=int, default=4, help="language model DP size (default 4)")
+    p.add_argument("--micro-batch", type=int, default=16,
+                   help="global micro-batch size B, a multiple of lcm(DP sizes) (default 16)")
+    p.add_argument("--window", type=int, default=1, help="micro-batches per exchange window W (default 1)")
+    p.add_argument("--windows", type=int, default=12, help="number of windows to stream (default 12)")
+    p.add_argument("--balancer", default="lpt", choices=sorted(BALANCERS), help="default lpt")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="exchange the next window on a background thread (default on)")
+    p.add_argument("--seq-len", type=int, default=2048, help="padded sequence length S (default 2048)")
+    p.add_argument("--features", type=int, default=64, help="patch feature width (default 64)")
+    p.add_argument("--mix", default="realistic", choices=sorted(syn.SIZE_MIXES), help="image size mix")
+    p.add_argument("--language-weight", type=float, default=0.0,
+                   help="cost weight of real text tokens (default 0: cost = patches)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write the summary as JSON to this file")
+    p.add_argument("--emulated", action="store_true",
+                   help="run the ranks as threads in this process instead of real processes")
+    p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # the checks' self-test
+    p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds (default 300)")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of per-rank load before/after (needs matplotlib)")
+    p.add_argument("--json", metavar="FILE", help="write the summary as JSON to FILE ('-': stdout)")
+
+
+# ---- shared by both paths ------------------------------------------------------------------------
+
+
+def _validate(args) -> dict:
+    from reorder.grid import canonical_grid
+
+    dps = {"vision": args.vision_dp, "language": args.language_dp}
+    for name, d in dps.items():
+        if d < 1:
+            raise CliError(f"--{name}-dp {d} is invalid: must be >= 1")
+    if args.vision_dp > args.language_dp:
+        raise CliError(f"--vision-dp {args.vision_dp} exceeds --language-dp {args.language_dp}: Megatron MIMO "
+                       "requires encoder dp <= language dp")
+    groups = canonical_grid(list(dps.values()))
+    if args.micro_batch < 1 or args.micro_batch % groups:
+        raise CliError(f"--micro-batch {args.micro_batch} is not a positive multiple of the canonical grid "
+                       f"G = lcm({args.vision_dp}, {args.language_dp}) = {groups}")
+    for flag in ("window", "windows"):
+        if getattr(args, flag) < 1:
+            raise CliError(f"--{flag} {getattr(args, flag)} is invalid: must be >= 1")
+    if args.seq_len < 16:
+        raise CliError(f"--seq-len {args.seq_len} is too short: use >= 16")
+    if args.features < 1:
+        raise CliError(f"--features {args.features} is invalid: must be >= 1")
+    if not (args.language_weight >= 0):
+        raise CliError(f"--language-weight {args.language_weight} is invalid: must be >= 0")
+    if not args.emulated and args.vision_dp + args.language_dp > 64:
+        raise CliError(f"{args.vision_dp + args.language_dp} processes is too many for a CPU demo (at most 64)")
+    check_plot_path(args.plot)
+    return dps
+
+
+def _cost(language_weight: float):
+    from reorder.cost import CostModel
+
+    return CostModel(encoder_weight=1.0, language_weight=language_weight)
+
+
+def _stream(cfg: dict):
+    """The seeded global micro-batch stream, identical on every rank."""
+    from reorder import synthetic as syn
+
+    rng = np.random.default_rng(cfg["seed"])
+    B = cfg["micro_batch"]
+    for k in range(cfg["windows"] * cfg["window"]):
+        yield syn.make_global_batch(rng, B, cfg["seq_len"], features=cfg["features"], mix=cfg["mix"],
+                                    first_id=k * B)
+
+
+def _module_costs(global_batches, module: str, cost) -> np.ndarray:
+    """[W, B] costs computed from the fields `module`'s ranks load (I1 compares them across modules)."""
+    from reorder.harness import module_fields
+
+    fields = module_fields(module, cost) or ("input_ids", "attention_mask")
+    rows = []
+    for g in global_batches:
+        counts = cost.token_counts(g["input_ids"], g["attention_mask"] if "attention_mask" in fields else None)
+        rows.append(cost.costs(counts[0].numpy(), counts[1].numpy()))
+    return np.stack(rows)
+
+
+def _check_world(global_batches, held, orders, costs, dps, *, groups, balancer):
+    """Cross-module invariants on sample ids: held[m][rank][slot], orders[m][rank] [W, B]."""
+    from reorder import checks
+    from spec import invariants as inv
+
+    checks.check_modules(global_batches, held, orders, costs, dps, groups=groups, balancer=balancer)
+    before = [g["sample_id"].tolist() for g in global_batches]
+    for m, d in dps.items():
+        after = [[i for r in range(d) for i in held[m][r][s]] for s in range(len(global_batches))]
+        for s, gids in enumerate(before):
+            inv.i3_equal_count(list(orders[m][0][s]), groups, len(gids), [held[m][r][s] for r in range(d)], d)
+            inv.i4_canonical_reassembly([gids[i] for i in orders[m][0][s]], len(gids), d,
+                                        [held[m][r][s] for r in range(d)])
+        inv.i6_nothing_lost(before, after)
+        inv.i7_no_cross_slot(before, after)
+
+
+def _record(module_reports: dict, wait_ms: dict | None = None) -> dict:
+    """One window's module-wide figures: module -> list of WindowReports of its ranks."""
+    rec = {}
+    for m, reps in module_reports.items():
+        r0 = reps[0]
+        rec[m] = dict(loads_before=r0.loads_before.tolist(), loads_after=r0.loads_after.tolist(),
+                      moved_samples=r0.moved_samples, total_samples=r0.total_samples, moved_bytes=r0.moved_bytes,
+                      plan_ms=r0.plan_ms, exchange_ms=max(r.exchange_ms for r in reps),
+                      wait_ms=None if wait_ms is None else wait_ms[m])
+    return rec
+
+
+def _progress_line(k: int, n: int, t0: float, rec: dict) -> str:
+    parts = []
+    for m, r in rec.items():
+        lb, la = np.asarray(r["loads_before"]), np.asarray(r["loads_after"])
+        parts.append(f"{m} spread {_spreads(lb).mean():.2f}->{_spreads(la).mean():.2f}, moved "
+                     f"{r['moved_samples']}/{r['total_samples']} ({r['moved_bytes'] / 2**20:.1f} MiB)")
+    return f"  window {k + 1:{len(str(n))}d}/{n} {time.perf_counter() - t0:5.1f} s  I1-I8 ok | " + " | ".join(parts)
+
+
+def _spreads(loads: np.ndarray) -> np.ndarray:
+    """[W] max/mean per micro-batch (1 where the micro-batch costs nothing)."""
+    mean = loads.mean(axis=1)
+    return np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+
+
+# ---- real processes ------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, cfg: dict):
+    """One process of the demo world: ranks [0, dv) are vision, [dv, dv + dl) language."""
+    import torch.distributed as dist
+
+    from reorder import synthetic as syn
+    from reorder.buffer import ReorderingBuffer
+    from reorder.dist import build_groups
+    from reorder.exchange import WindowExchanger
+    from reorder.harness import module_fields
+    from spec import invariants as inv
+    from spec.samples import per_sample_bytes
+
+    out = sys.stderr if cfg["stderr"] else sys.stdout
+    dv, dl, B, W = cfg["vision_dp"], cfg["language_dp"], cfg["micro_batch"], cfg["window"]
+    dps = {"vision": dv, "language": dl}
+    groups = build_groups({"vision": [list(range(dv))], "language": [list(range(dv, dv + dl))]},
+                          overlap=cfg["overlap"], timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
+    module, grid = groups.module, groups.grid
+    cost = _cost(cfg["language_weight"])
+    fields = module_fields(module, cost)
+    ex = WindowExchanger(grid=grid, global_batch=B, cost=cost, balancer=cfg["balancer"], window_size=W,
+                         collectives=groups.side if cfg["overlap"] else groups.main)
+    pending = deque()  # natural global batches, handed from the (possibly background) reader to the checker
+
+    def source():
+        for g in _stream(cfg):
+            pending.append(g)
+            yield syn.module_view(syn.rank_share(g, grid.dp, grid.rank), fields)
+
+    records, t0 = [], time.perf_counter()
+    buf = ReorderingBuffer(source(), ex, overlap=cfg["overlap"])
+    try:
+        for k in range(cfg["windows"]):
+            outs, error, report = [], None, None
+            t_wait = time.perf_counter()
+            try:
+                for _ in range(W):
+                    outs.append(next(buf))
+                if cfg["corrupt"] and k == cfg["windows"] - 1 and rank == world - 1:  # self-test of the checks
+                    outs[-1] = dict(outs[-1], position_ids=outs[-1]["position_ids"].clone())
+                    outs[-1]["position_ids"].view(-1)[-1] += 1
+                wait_ms = (time.perf_counter() - t_wait) * 1e3
+                report = buf.last_report
+                window = [pending.popleft() for _ in outs]
+                b = B // grid.dp
+                for s, (g, got) in enumerate(zip(window, outs)):  # I3, I4 (this rank), I5
+                    gids, held = g["sample_id"].tolist(), got["sample_id"].tolist()
+                    order = report.orders[s].tolist()
+                    if len(held) != b:
+                        raise inv.InvariantViolation(f"I3 violated: {module} rank {grid.rank} holds {len(held)} "
+                                                     f"samples, expected {b}")
+                    want = [gids[i] for i in order[grid.rank * b:(grid.rank + 1) * b]]
+                    if held != want:
+                        raise inv.InvariantViolation(f"I4 violated: {module} rank {grid.rank} holds {held}, "
+                                                     f"canonical positions are {want}")
+                    view = syn.module_view(g, fields)
+                    sent = dict(zip(gids, per_sample_bytes(view, vision_start_token_id=cost.vision_start_token_id)))
+                    inv.i5_byte_exact(sent, dict(zip(held, per_sample_bytes(
+                        got, vision_start_token_id=cost.vision_start_token_id))))
+            except Exception as e:  # noqa: BLE001 - shared with every rank below, then all stop together
+                error = f"{module} rank {grid.rank}: {type(e).__name__}: {e}"
+                wait_ms = 0.0
+            mine = dict(module=module, rank=grid.rank, error=error,
+                        ids=[o["sample_id"].tolist() for o in outs] if error is None else None,
+                        orders=None if report is None else report.orders.tolist(), report=report, wait_ms=wait_ms)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine)
+            errors = [e["error"] for e in everyone if e["error"]]
+            if not errors:
+                try:
+                    by_mod = {m: sorted((e for e in everyone if e["module"] == m), key=lambda e: e["rank"])
+                              for m in dps}
+                    _check_world(window, {m: [e["ids"] for e in by_mod[m]] for m in dps},
+                                 {m: [np.asarray(e["orders"]) for e in by_mod[m]] for m in dps},
+                                 {m: _module_costs(window, m, cost) for m in dps}, dps, groups=grid.groups,
+                                 balancer=cfg["balancer"])
+                except Exception as e:  # noqa: BLE001 - every rank reaches the same verdict on the same data
+                    errors = [f"{type(e).__name__}: {e}"]
+            if errors:
+                return dict(failed=f"window {k + 1}: " + "; ".join(errors), records=records) if rank == 0 else None
+            if rank == 0:
+                rec = _record({m: [e["report"] for e in by_mod[m]] for m in dps},
+                              {m: max(e["wait_ms"] for e in by_mod[m]) for m in dps})
+                records.append(rec)
+                print(_progress_line(k, cfg["windows"], t0, rec), file=out, flush=True)
+        try:  # the end-of-stream handshake: every rank passes one empty window together
+            next(buf)
+            raise RuntimeError("the buffer yielded more micro-batches than the source holds")
+        except StopIteration:
+            pass
+    finally:
+        buf.close()
+    return dict(failed=None, records=records, elapsed_s=time.perf_counter() - t0) if rank == 0 else None
+
+
+def _run_processes(args, dps, out) -> dict:
+    from reorder.multiproc import ProcessesFailed, run_processes
+
+    cfg = {k: getattr(args, k) for k in ("vision_dp", "language_dp", "micro_batch", "window", "windows", "balancer",
+                                         "overlap", "seq_len", "features", "mix", "language_weight", "seed")}
+    cfg["stderr"] = out is sys.stderr
+    cfg["corrupt"] = args.inject_corruption
+    cfg["pg_timeout"] = min(120.0, args.timeout)
+    try:
+        return run_processes(_rank_main, sum(dps.values()), (cfg,), timeout=args.timeout,
+                             pg_timeout=cfg["pg_timeout"])
+    except ProcessesFailed as e:
+        raise CliError(f"demo failed: {e}", code=1) from None
+
+
+# ---- emulated ranks (threads) --------------------------------------------------------------------
+
+
+def _run_emulated(args, dps, out) -> dict:
+    from reorder import harness
+
+    cost = _cost(args.language_weight)
+    cfg = {k: getattr(args, k) for k in ("micro_batch", "window", "windows", "seq_len", "features", "mix", "seed")}
+    stream = _stream(cfg)
+    records, t0 = [], time.perf_counter()
+    for k in range(args.windows):
+        batches = [next(stream) for _ in range(args.window)]
+        results = harness.run_window(batches, dps, cost=cost, balancer=args.balancer)
+        try:
+            harness.check_window(batches, results, cost=cost, balancer=args.balancer,
+                                 vision_start_token_id=cost.vision_start_token_id)
+        except AssertionError as e:
+            return dict(failed=f"window {k + 1}: {type(e).__name__}: {e}", records=records)
+        rec = _record({m: res.reports for m, res in results.items()})
+        records.append(rec)
+        print(_progress_line(k, args.windows, t0, rec), file=out, flush=True)
+    return dict(failed=None, records=records, elapsed_s=time.perf_counter() - t0)
+
+
+# ---- summary -------------------------------------------------------------------------------------
+
+
+def summarize(records: list, dps: dict) -> dict:
+    """Per module: per-rank loads summed over every micro-batch, straggler cost (sum over
+    micro-batches of the max per-rank cost) before/after, mean spread, moved samples and bytes,
+    median plan / exchange / wait time per window."""
+    out = {}
+    for m, d in dps.items():
+        lb = np.concatenate([np.asarray(r[m]["loads_before"]) for r in records]).reshape(-1, d)
+        la = np.concatenate([np.asarray(r[m]["loads_after"]) for r in records]).reshape(-1, d)
+        before, after = float(lb.max(axis=1).sum()), float(la.max(axis=1).sum())
+        waits = [r[m]["wait_ms"] for r in records if r[m]["wait_ms"] is not None]
+        out[m] = dict(dp=d, loads_before=lb.sum(axis=0).tolist(), loads_after=la.sum(axis=0).tolist(),
+                      straggler_before=before, straggler_after=after,
+                      saved=1 - after / before if before else 0.0,
+                      spread_before=float(_spreads(lb).mean()), spread_after=float(_spreads(la).mean()),
+                      moved_samples=int(sum(r[m]["moved_samples"] for r in records)),
+                      samples=int(sum(r[m]["total_samples"] for r in records)),
+                      moved_bytes=int(sum(r[m]["moved_bytes"] for r in records)),
+                      plan_ms=float(np.median([r[m]["plan_ms"] for r in records])),
+                      exchange_ms=float(np.median([r[m]["exchange_ms"] for r in records])),
+                      wait_ms=float(np.median(waits)) if waits else None)
+    return out
+
+
+def print_tables(summary: dict, micro_batches: int, out) -> None:
+    width = max(8, *(len(f"{x:.0f}") + 1 for s in summary.values() for x in s["loads_before"] + s["loads_after"]))
+    maxdp = max(s["dp"] for s in summary.values())
+    print(f"\nper-rank load (cost = patches, summed over {micro_batches} micro-batches)", file=out)
+    print(f"{'module':9} {'dp':>3} {'':7}" + "".join(f"{'rank ' + str(r):>{width}}" for r in range(maxdp)), file=out)
+    for m, s in summary.items():
+        for label, key in (("before", "loads_before"), ("after", "loads_after")):
+            head = f"{m:9} {s['dp']:3d}" if label == "before" else f"{'':13}"
+            print(f"{head} {label:7}" + "".join(f"{x:{width}.0f}" for x in s[key]), file=out)
+    print(f"\n{'module':9} {'dp':>3} {'straggler cost':>15} {'after':>10} {'saved':>7} {'spread':>15} "
+          f"{'moved samples':>14} {'MiB moved':>10} {'plan ms':>8} {'exchange ms':>12} {'wait ms':>8}", file=out)
+    for m, s in summary.items():
+        wait = "-" if s["wait_ms"] is None else f"{s['wait_ms']:.2f}"
+        print(f"{m:9} {s['dp']:3d} {s['straggler_before']:15.0f} {s['straggler_after']:10.0f} {s['saved']:7.1%} "
+              f"{s['spread_before']:6.3f} -> {s['spread_after']:5.3f} {s['moved_samples']:>6d}/{s['samples']:<7d} "
+              f"{s['moved_bytes'] / 2**20:10.2f} {s['plan_ms']:8.3f} {s['exchange_ms']:12.2f} {wait:>8}", file=out)
 
 
 def run(args) -> dict:
-    dps = {"vision": args.vision_dp, "language": args.language_dp}
+    dps = _validate(args)
+    out = human_stream(args)
+    from reorder.grid import canonical_grid
+
     groups = canonical_grid(list(dps.values()))
-    cost = CostModel(encoder_weight=1.0, language_weight=args.language_weight)
-    rng = np.random.default_rng(args.seed)
-    print(f"reorder demo: vision dp {args.vision_dp} + language dp {args.language_dp} (grid G={groups}), "
-          f"B={args.micro_batch}, W={args.window}, balancer={args.balancer}, {args.windows} windows, emulated ranks")
-    totals = {m: dict(before=0.0, after=0.0, moved=0, samples=0, bytes=0, plan_ms=[], exchange_ms=[],
-                      spread_before=[], spread_after=[]) for m in dps}
-    loads = {m: [np.zeros(d), np.zeros(d)] for m, d in dps.items()}
+    mode = "emulated ranks (threads)" if args.emulated else \
+        f"{sum(dps.values())} processes (torch.distributed, Gloo, fork)"
+    print(f"reorder demo: vision dp {args.vision_dp} + language dp {args.language_dp} (grid G={groups}) on {mode}; "
+          f"B={args.micro_batch}, W={args.window}, {args.windows} windows, balancer {args.balancer}, "
+          f"overlap {'on' if args.overlap and not args.emulated else 'off'}, seq {args.seq_len}, mix {args.mix}",
+          file=out, flush=True)
     t0 = time.perf_counter()
-    for w in range(args.windows):
-        batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
-                                         first_id=(w * args.window + s) * args.micro_batch)
-                   for s in range(args.window)]
-        results = harness.run_window(batches, dps, cost=cost, balancer=args.balancer)
-        harness.check_window(batches, results, cost=cost, balancer=args.balancer,
-                             vision_start_token_id=cost.vision_start_token_id)
-        for m, res in results.items():
-            rep, t = res.reports[0], totals[m]
-            t["before"] += rep.max_before
-            t["after"] += rep.max_after
-            t["moved"] += rep.moved_samples
-            t["samples"] += rep.total_samples
-            t["bytes"] += rep.moved_bytes
-            t["plan_ms"].append(rep.plan_ms)
-            t["exchange_ms"].append(max(r.exchange_ms for r in res.reports))
-            t["spread_before"].append(rep.spread_before)
-            t["spread_after"].append(rep.spread_after)
-            loads[m][0] += rep.loads_before.sum(axis=0)
-            loads[m][1] += rep.loads_after.sum(axis=0)
-        print(f"  window {w + 1:3d}/{args.windows}: invariants I1-I8 ok; vision spread "
-              f"{results['vision'].reports[0].spread_before:.3f} -> {results['vision'].reports[0].spread_after:.3f}",
-              flush=True)
-    summary = {}
-    print()
-    print(f"{'module':9} {'dp':>3} {'per-rank load before (patches)':>34} {'after':>34}")
-    for m, d in dps.items():
-        fmt = lambda a: " ".join(f"{x:8.0f}" for x in a)  # noqa: E731
-        print(f"{m:9} {d:3d} {fmt(loads[m][0]):>34} {fmt(loads[m][1]):>34}")
-    print()
-    print(f"{'module':9} {'straggler cost before':>22} {'after':>10} {'saved':>7} {'spread':>15} "
-          f"{'moved':>13} {'MiB moved':>10} {'plan ms':>8} {'exch ms':>8}")
-    for m, t in totals.items():
-        saved = 1 - t["after"] / t["before"] if t["before"] else 0.0
-        row = dict(dp=dps[m], straggler_before=t["before"], straggler_after=t["after"], saved=saved,
-                   spread_before=float(np.mean(t["spread_before"])), spread_after=float(np.mean(t["spread_after"])),
-                   moved_samples=t["moved"], samples=t["samples"], moved_bytes=t["bytes"],
-                   plan_ms=float(np.median(t["plan_ms"])), exchange_ms=float(np.median(t["exchange_ms"])))
-        summary[m] = row
-        print(f"{m:9} {row['straggler_before']:22.0f} {row['straggler_after']:10.0f} {saved:7.1%} "
-              f"{row['spread_before']:6.3f} -> {row['spread_after']:5.3f} {t['moved']:5d}/{t['samples']:<7d} "
-              f"{t['bytes'] / 2**20:10.2f} {row['plan_ms']:8.3f} {row['exchange_ms']:8.2f}")
-    print(f"\nall invariants held on {args.windows} windows ({time.perf_counter() - t0:.1f} s); spread = max/mean "
-          "per-rank cost, straggler cost = sum over micro-batches of the max per-rank cost")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    result = _run_emulated(args, dps, out) if args.emulated else _run_processes(args, dps, out)
+    if result["failed"]:
+        raise CliError(f"invariant check failed at {result['failed']}", code=1)
+    summary = summarize(result["records"], dps)
+    micro_batches = args.windows * args.window
+    print_tables(summary, micro_batches, out)
+    elapsed = time.perf_counter() - t0
+    print(f"\nall invariants (I1-I8: alignment of vision rank v with language ranks v*k..v*k+k-1, byte-exact "
+          f"payloads, ...) held on {args.windows} windows; {elapsed:.1f} s.\nstraggler cost = sum over micro-batches "
+          "of the max per-rank cost; spread = max/mean per-rank cost (mean over micro-batches); "
+          "wait = time the consumer blocked for a window", file=out, flush=True)
+    data = dict(mode="emulated" if args.emulated else "processes",
+                config={k: v for k, v in vars(args).items() if k not in ("command", "json", "plot")},
+                groups=groups, micro_batches=micro_batches, elapsed_s=elapsed, invariants="I1-I8 held on every window",
+                modules=summary)
+    if args.plot:
+        panels = {m: dict(dp=s["dp"], before=s["loads_before"], after=s["loads_after"],
+                          note=f"{m} (dp {s['dp']}): spread {s['spread_before']:.2f} -> {s['spread_after']:.2f}, "
+                               f"straggler -{s['saved']:.1%}") for m, s in summary.items()}
+        make_plot("rank_loads", args.plot, panels,
+                  f"reorder demo: per-rank load, {micro_batches} micro-batches of B={args.micro_batch}, "
+                  f"balancer {args.balancer} (spread = max/mean per micro-batch)",
+                  f"cost (patches) summed over {micro_batches} micro-batches")
+        print(f"plot written to {args.plot}", file=out)
+    write_json(args.json, data)
+    return data

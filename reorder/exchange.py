@@ -22,7 +22,7 @@ from reorder.collectives import Collectives
 from reorder.cost import CostModel
 from reorder.grid import Grid, check_global_batch
 from reorder.layout import LayoutError, describe, rebuild
-from reorder.plan import plan_orders, rank_loads
+from reorder.plan import gate_orders, plan_orders, rank_loads
 from reorder.routes import window_routes
 
 MAGIC = 0x52454F52  # "REOR"
@@ -51,6 +51,7 @@ class WindowReport:
     plan_ms: float
     exchange_ms: float
     stage_ms: dict | None = None  # prepare, gather, plan, pack, all_to_all, assemble (see profile_stages)
+    gated_slots: int = 0  # slots kept in natural order by the cost-benefit gate
 
     @property
     def max_before(self) -> float:
@@ -98,7 +99,8 @@ class WindowExchanger:
 
     def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "lpt",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
-                 device: torch.device | str | None = None, profile_stages: bool = False):
+                 device: torch.device | str | None = None, profile_stages: bool = False,
+                 min_gain: float | None = None):
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -112,6 +114,9 @@ class WindowExchanger:
         self.window_size, self.collectives, self.batch_dims = window_size, collectives, batch_dims
         self.device = None if device is None else torch.device(device)
         self.profile_stages = profile_stages  # synchronize the device at stage boundaries (benchmarks only)
+        if min_gain is not None and not 0 <= min_gain < 1:
+            raise ValueError(f"min_gain={min_gain!r} is invalid: the relative gain threshold must be in [0, 1)")
+        self.min_gain = min_gain  # cost-benefit gate (plan.gate_orders); None = always use the plan
         self.local_batch = global_batch // grid.dp
 
     # ---- local part -------------------------------------------------------------------------
@@ -151,6 +156,12 @@ class WindowExchanger:
             shards.append((shard, blobs))
             counts.append(torch.stack([placeholders, real, images, rows, lb], dim=1))
         return layouts[0], shards, torch.stack(counts)
+
+    def _plan(self, costs):
+        orders = plan_orders(costs, self.grid.groups, self.balancer)
+        if self.min_gain is None:
+            return orders, np.zeros(len(orders), dtype=bool)
+        return gate_orders(costs, orders, self.grid.groups, self.min_gain)
 
     def _header(self, error: bool, slots: int, layout_text: str) -> list:
         c = self.cost
@@ -241,7 +252,7 @@ class WindowExchanger:
         counts = counts.permute(1, 0, 2, 3).reshape(W, B, COLS).numpy()  # natural order per slot
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1])
-        orders = plan_orders(costs, self.grid.groups, self.balancer)
+        orders, gated = self._plan(costs)
         routes = window_routes(orders, dp, self.grid.rank)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         mark("plan")
@@ -272,7 +283,11 @@ class WindowExchanger:
                     assert written == size, (written, size)
                 off += size
         mark("pack")
-        recv = self.collectives.all_to_all(send, [sum(x) for x in send_sizes], [sum(x) for x in recv_sizes])
+        moved = orders_moved(orders, dp)
+        if moved.any():
+            recv = self.collectives.all_to_all(send, [sum(x) for x in send_sizes], [sum(x) for x in recv_sizes])
+        else:  # identical decision on every rank: nothing moves anywhere, skip the collective
+            recv = send
         if len(recv) != sum(map(sum, recv_sizes)):
             raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {sum(map(sum, recv_sizes))}")
         mark("all_to_all")
@@ -293,7 +308,6 @@ class WindowExchanger:
                 raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
             out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
         mark("assemble")
-        moved = orders_moved(orders, dp)
         sample_bytes = (layout.dense_sample_bytes + flat[:, 3] * layout.row_bytes + flat[:, 2] * layout.image_bytes
                         + flat[:, 4])
         report = WindowReport(slots=W, orders=orders, loads_before=rank_loads(costs, None, dp),
@@ -301,7 +315,8 @@ class WindowExchanger:
                               total_samples=W * B, moved_bytes=int(sample_bytes[moved.reshape(-1)].sum()),
                               sent_bytes=int(len(send)), plan_ms=plan_ms,
                               exchange_ms=(time.perf_counter() - t0) * 1e3,
-                              stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])})
+                              stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])},
+                              gated_slots=int(gated.sum()))
         return out, report
 
     def _local(self, batches, local, t0):
@@ -309,14 +324,15 @@ class WindowExchanger:
         counts = counts.numpy()
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1])
-        orders = plan_orders(costs, self.grid.groups, self.balancer)
+        orders, gated = self._plan(costs)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         out = [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))
                for s, (batch, (shard, _)) in enumerate(zip(batches, shards))]
         report = WindowReport(slots=len(batches), orders=orders, loads_before=rank_loads(costs, None, 1),
                               loads_after=rank_loads(costs, orders, 1), moved_samples=0,
                               total_samples=counts.shape[0] * counts.shape[1], moved_bytes=0, sent_bytes=0,
-                              plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3)
+                              plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
+                              gated_slots=int(gated.sum()))
         return out, report
 
 

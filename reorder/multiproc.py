@@ -22,10 +22,10 @@ import traceback
 class ProcessesFailed(RuntimeError):
     """One or more ranks failed; `errors` maps rank -> "ExceptionType: message" (-1: the launcher)."""
 
-    def __init__(self, errors: dict, details: str = ""):
-        self.errors = dict(sorted(errors.items()))
-        self.details = details  # full tracebacks, for --debug style output
-        super().__init__("; ".join(f"rank {r}: {m}" if r >= 0 else m for r, m in self.errors.items()))
+    def __init__(self, errors: dict, details: str = "", suffix: str = ""):
+        self.errors = dict(errors)
+        self.details = details  # full tracebacks of every failed rank
+        super().__init__("; ".join(f"rank {r}: {m}" if r >= 0 else m for r, m in self.errors.items()) + suffix)
 
 
 def _child(rank, fn, world, workdir, args, pg_timeout):
@@ -49,6 +49,35 @@ def _child(rank, fn, world, workdir, args, pg_timeout):
         dist.destroy_process_group()
 
 
+def _failure(e, workdir) -> ProcessesFailed:
+    """Name the root cause first: a rank that died without raising (crash, os._exit), else the rank
+    whose error came first, preferring real errors over the "connection closed by peer" that the
+    others hit once it was gone; the rest follow as a count."""
+    errors, details, when = {}, [], {}
+    for name in sorted(os.listdir(workdir)):
+        if name.startswith("error."):
+            path = os.path.join(workdir, name)
+            with open(path) as f:
+                short, _, full = f.read().partition("\n\0")
+            if short.strip():
+                rank = int(name.split(".")[1])
+                errors[rank], when[rank] = short.strip(), os.stat(path).st_mtime_ns
+                details.append(full)
+    first = getattr(e, "error_index", -1)
+    if first not in errors and getattr(e, "exit_code", None) is not None:
+        sig = getattr(e, "signal_name", None)
+        errors[first] = f"killed by signal {sig}" if sig else f"exited with code {e.exit_code}"
+        when[first] = -1
+    if not errors:
+        errors[first] = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        when[first] = -1
+    collateral = ("Connection closed by peer", "Connection reset by peer", "connectFullMesh")
+    lead = min(errors, key=lambda r: (any(c in errors[r] for c in collateral), when[r], r))
+    msg = {lead: errors.pop(lead)}
+    others = f" ({len(errors)} other rank(s) failed after it)" if errors else ""
+    return ProcessesFailed(msg, "\n".join(details) or str(e), others)
+
+
 def _stop(processes, grace: float = 2.0):
     for p in processes:
         if p.is_alive():
@@ -67,10 +96,22 @@ def run_processes(fn, world: int, args: tuple = (), *, timeout: float = 600.0, p
     Call before the parent has used torch's thread pools (forking after OpenMP started can hang the
     children). Raises ProcessesFailed on any failure or when the run exceeds `timeout` seconds.
     """
-    import torch.multiprocessing as mp
+    import logging
 
     if world < 1:
         raise ValueError(f"world={world} is invalid: need at least one process")
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)  # its "Terminating process ..." warnings repeat what we report
+    try:
+        return _run(fn, world, args, timeout, pg_timeout)
+    finally:
+        spawn_log.setLevel(level)
+
+
+def _run(fn, world, args, timeout, pg_timeout):
+    import torch.multiprocessing as mp
+
     sys.stdout.flush()  # buffered output would be duplicated in every forked child
     sys.stderr.flush()
     with tempfile.TemporaryDirectory(prefix="reorder-procs-") as workdir:
@@ -84,17 +125,7 @@ def run_processes(fn, world: int, args: tuple = (), *, timeout: float = 600.0, p
                     failure = ProcessesFailed({-1: f"timed out after {timeout:.0f} s (a rank is stuck)"})
                     break
         except Exception as e:  # ProcessRaisedException / ProcessExitedException: the others are ended
-            errors, details = {}, []
-            for name in sorted(os.listdir(workdir)):
-                if name.startswith("error."):
-                    with open(os.path.join(workdir, name)) as f:
-                        short, _, full = f.read().partition("\n\0")
-                    errors[int(name.split(".")[1])] = short.strip()
-                    details.append(full)
-            if not errors:
-                errors[getattr(e, "error_index", -1)] = str(e).strip().splitlines()[0] if str(e).strip() \
-                    else type(e).__name__
-            failure = ProcessesFailed(errors, "\n".join(details) or str(e))
+            failure = _failure(e, workdir)
         finally:
             _stop(ctx.processes)
         if failure is not None:

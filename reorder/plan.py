@@ -28,3 +28,18 @@ def rank_loads(costs: np.ndarray, orders: np.ndarray | None, dp: int) -> np.ndar
         costs = np.take_along_axis(costs, np.asarray(orders), axis=1)
     w, b = costs.shape
     return costs.reshape(w, dp, b // dp).sum(axis=2)
+
+
+def gate_orders(costs: np.ndarray, orders: np.ndarray, groups: int, min_gain: float):
+    """Cost-benefit gate: keep the natural assignment for every slot whose relative gain in max group
+    load, 1 - max_after / max_before on the grid, is <= min_gain. Depends only on costs, orders and G,
+    so every rank of every module takes the same decision. Returns (orders, bool [W] gated)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    before = rank_loads(costs, None, groups).max(axis=1)
+    after = rank_loads(costs, orders, groups).max(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gain = np.where(before > 0, 1 - after / before, 0.0)
+    gated = gain <= min_gain
+    out = np.array(orders, dtype=np.int64, copy=True)
+    out[gated] = np.arange(costs.shape[1], dtype=np.int64)
+    return out, gated

@@ -103,3 +103,25 @@ def test_dp1_local_permutation():
     res = harness.run_window(batches, {"vision": 1, "language": 4}, cost=COST)
     harness.check_window(batches, res, cost=COST, balancer="lpt", vision_start_token_id=syn.VISION_START)
     assert res["vision"].reports[0].sent_bytes == 0
+
+
+def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
+    batches = windows_for(11, 8, 3)
+    from reorder import plan
+
+    # slot 0 gains (max group load 10 -> 6); slot 1 is uniform: nothing to gain, keep natural order
+    costs = np.array([[5.0, 5, 1, 1, 2, 2, 3, 3], [1.0] * 8])
+    orders = plan.plan_orders(costs, 4)
+    gated_orders, gated = plan.gate_orders(costs, orders, 4, 0.0)
+    assert gated.tolist() == [False, True] and gated_orders[1].tolist() == list(range(8))
+    _, gated_all = plan.gate_orders(costs, orders, 4, 0.99)
+    assert gated_all.all()
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), global_batch=8, cost=COST, window_size=3,
+                             collectives=coll, min_gain=0.99)
+        return ex.exchange([syn.rank_share(g, 4, r) for g in batches])
+    res = run_emulated(4, fn)
+    for out, rep in res:
+        assert rep.gated_slots == 3 and rep.moved_samples == 0 and rep.sent_bytes == 0
+    assert [o[0]["sample_id"].tolist() for o, _ in res] == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -1,0 +1,263 @@
+"""Megatron-Core adapter: DP groups from HyperCommGrids, per-rank field selection, one-call `wrap`.
+
+Nothing here imports megatron at module import time (megatron-core >= 0.17 needs Python >= 3.12 and
+imports triton); a real `HyperCommGrid` is only duck-typed (`shape`, `dim_names`, `rank_offset`,
+`get_rank_enum`). Everything also accepts plain lists of global ranks, so the adapter is usable and
+testable without megatron.
+
+Typical use in a MIMO training script (every rank, after the grids exist, before the first step)::
+
+    from reorder import megatron as rm
+    cfg = ReorderConfig.from_object(dataset_config)            # the megatron_mimo_* fields
+    fields = rm.fields_to_load(my_module, my_pp_stage, cfg)     # what this rank's loader must read
+    it = rm.wrap(it, config=cfg, module=my_module, grids=module_to_grid_map,
+                 global_batch=B, fixed_width_padding=True, device=torch.cuda.current_device())
+
+`wrap` is a world-wide collective (it creates process groups): call it on every rank of every module,
+in the same order, also where the rank's own DP size is 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from reorder.config import ReorderConfig, check_model_layout
+
+LANGUAGE = "language"  # megatron.core.models.mimo.config.role.MIMO_LANGUAGE_MODULE_KEY
+
+# Field names of a Qwen-VL MIMO micro-batch (DESIGN section 4).
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LABELS = "labels"
+LOSS_MASK = "loss_mask"
+MODALITY_INPUTS = "modality_inputs"
+
+
+# ---- grids ---------------------------------------------------------------------------------------
+
+def _is_grid(obj) -> bool:
+    return hasattr(obj, "shape") and hasattr(obj, "dim_names") and not isinstance(obj, (list, tuple))
+
+
+def _rank_enum(shape, dim_names, rank_offset: int, dims) -> list:
+    """Megatron's HyperCommGrid rank enumeration for `dims` (same algorithm as its
+    `_gen_rank_enum`): ranks laid out over reversed dim_names, `dims` moved last, one group per
+    coordinate of the other dims."""
+    dims = [dims] if isinstance(dims, str) else list(dims)
+    rev = list(dim_names)[::-1]
+    size_of = dict(zip(dim_names, shape))
+    size = int(np.prod(shape))
+    t = np.arange(rank_offset, rank_offset + size).reshape([size_of[d] for d in rev])
+    # megatron orders requested dims by their position in the reversed dim_names
+    ordered = [rev[i] for i in sorted(rev.index(d) for d in dims)]
+    src = [rev.index(d) for d in ordered]
+    t = np.moveaxis(t, src, list(range(len(rev) - len(ordered), len(rev))))
+    group = int(np.prod([size_of[d] for d in ordered]))
+    return t.reshape(-1, group).tolist()
+
+
+def grid_dim(grid, name: str) -> int:
+    """Size of dim `name` of a HyperCommGrid-like object (1 when the grid has no such dim)."""
+    names = list(grid.dim_names)
+    return int(grid.shape[names.index(name)]) if name in names else 1
+
+
+def rank_enum(grid, dims) -> list:
+    """The grid's own enumeration (`get_rank_enum`, megatron-core >= 0.17) or the same algorithm."""
+    names = list(grid.dim_names)
+    wanted = [dims] if isinstance(dims, str) else list(dims)
+    missing = [d for d in wanted if d not in names]
+    if missing:
+        raise ValueError(f"grid has no dim {missing[0]!r} (dim_names={names})")
+    if hasattr(grid, "get_rank_enum"):
+        return [list(map(int, g)) for g in grid.get_rank_enum(wanted if len(wanted) > 1 else wanted[0])]
+    return _rank_enum(list(grid.shape), names, int(getattr(grid, "rank_offset", 0)), wanted)
+
+
+def dp_groups_from_grid(grid) -> list:
+    """DP groups (lists of global ranks) of one module: one group per tp/cp/pp (and any other)
+    coordinate of the grid, each in DP-rank order, exactly as `grid.create_pg("dp")` builds them.
+
+    Accepts a megatron HyperCommGrid (or any object with `shape`, `dim_names`, `rank_offset`), or
+    plain lists: a list of DP groups `[[0, 1], [2, 3]]`, or one DP group `[0, 1]`.
+    """
+    if _is_grid(grid):
+        if "dp" not in list(grid.dim_names):
+            raise ValueError(f"grid has no 'dp' dim (dim_names={list(grid.dim_names)}): cannot derive DP groups")
+        groups = rank_enum(grid, "dp")
+    elif isinstance(grid, Sequence) and not isinstance(grid, (str, bytes)):
+        items = list(grid)
+        if not items:
+            raise ValueError("DP rank lists are empty: give one list of global ranks per DP group")
+        if all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in items):
+            groups = [[int(r) for r in items]]
+        elif all(isinstance(g, Sequence) and not isinstance(g, (str, bytes)) for g in items):
+            groups = [[_rank(r) for r in g] for g in items]
+        else:
+            raise ValueError(f"DP rank lists {grid!r}: expected a list of global ranks or a list of such lists")
+    else:
+        raise ValueError(f"{grid!r} is neither a HyperCommGrid-like object nor a list of DP rank lists")
+    sizes = {len(g) for g in groups}
+    if 0 in sizes or len(sizes) != 1:
+        raise ValueError(f"DP groups {groups} must be non-empty and all of the same size")
+    flat = [r for g in groups for r in g]
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"DP groups {groups} list a rank more than once")
+    return groups
+
+
+def _rank(r) -> int:
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+        raise ValueError(f"rank {r!r} is not a global rank (integer >= 0)")
+    return int(r)
+
+
+def module_dp_groups(grids: Mapping) -> dict:
+    """{module: DP groups} for a module -> grid (or rank lists) map, in the map's order."""
+    if not isinstance(grids, Mapping) or not grids:
+        raise ValueError("grids must be a non-empty mapping of module name -> HyperCommGrid or DP rank lists")
+    return {name: dp_groups_from_grid(g) for name, g in grids.items()}
+
+
+def pp_stage(grid, rank: int) -> tuple[int, int]:
+    """(stage, pp size) of global `rank` in a HyperCommGrid-like grid; (0, 1) for plain lists."""
+    if not _is_grid(grid) or "pp" not in list(grid.dim_names):
+        return 0, 1
+    for g in rank_enum(grid, "pp"):
+        if rank in g:
+            return g.index(rank), len(g)
+    raise ValueError(f"rank {rank} is not in the grid (ranks {grid.rank_offset}.."
+                     f"{grid.rank_offset + int(np.prod(grid.shape)) - 1})")
+
+
+# ---- field selection -----------------------------------------------------------------------------
+
+def fields_to_load(module, pp_stage: int, config, *, pp_size: int = 1, language_module: str = LANGUAGE) -> tuple:
+    """Top-level batch fields one rank must load so that the reorder cost is computable there and
+    the model gets what it consumes.
+
+    module: this rank's module name (or several names for a colocated rank: the union is returned);
+    any name other than `language_module` is an encoder. pp_stage / pp_size: the rank's stage in
+    that module's pipeline.
+
+    - input_ids: every module, every stage (the cost counts image placeholders in it);
+    - attention_mask: every module and stage when the language cost weight is > 0 (real tokens);
+    - modality_inputs: encoder ranks only (stage 0: encoder PP > 1 is rejected by `wrap`);
+    - position_ids: language, every stage (MRoPE ids are consumed on every stage);
+    - labels, loss_mask: language first and last stage (MimoModel shards/returns them on the first
+      stage, the last computes the loss); middle stages skip them.
+    """
+    cfg = config if isinstance(config, ReorderConfig) else ReorderConfig.from_object(config)
+    names = [module] if isinstance(module, str) else list(module)
+    if not names:
+        raise ValueError("module is empty: give this rank's module name(s)")
+    if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pp_size={pp_size!r}: must be an integer >= 1")
+    if isinstance(pp_stage, bool) or not isinstance(pp_stage, int) or not 0 <= pp_stage < pp_size:
+        raise ValueError(f"pp_stage={pp_stage!r}: must be an integer in [0, pp_size={pp_size})")
+    out = [INPUT_IDS]
+    if cfg.needs_attention_mask:
+        out.append(ATTENTION_MASK)
+    for name in names:
+        if name == language_module:
+            out.append(POSITION_IDS)
+            if pp_stage == 0 or pp_stage == pp_size - 1:
+                out += [LABELS, LOSS_MASK]
+        else:
+            if pp_size > 1:
+                raise ValueError(f"module {name!r} is an encoder with pp_size={pp_size}: reorder does not "
+                                 f"support a pipeline-parallel vision encoder; set its PP size to 1")
+            out.append(MODALITY_INPUTS)
+    return tuple(dict.fromkeys(out))
+
+
+def select_fields(batch: Mapping, fields) -> dict:
+    """The entries of `batch` named in `fields` (a loader that cannot skip fields can use this)."""
+    return {k: v for k, v in batch.items() if k in fields}
+
+
+# ---- one-call wrap -------------------------------------------------------------------------------
+
+def check_layout(grids: Mapping, *, pp_sizes: Mapping | None = None, fixed_width_padding,
+                 language_module: str = LANGUAGE) -> dict:
+    """Validate a module layout for reorder (identical on every rank, so every rank raises together);
+    returns {module: DP groups}. Encoder PP comes from each encoder grid's 'pp' dim, or `pp_sizes`."""
+    groups = module_dp_groups(grids)
+    if language_module not in groups:
+        raise ValueError(f"grids has no {language_module!r} module (modules: {list(groups)}): reorder plans "
+                         f"against the language model's DP size")
+    dl = len(groups[language_module][0])
+    pp_sizes = dict(pp_sizes or {})
+    encoders = [m for m in groups if m != language_module]
+    if not encoders:
+        check_model_layout(encoder_pp=1, encoder_dp=dl, language_dp=dl, fixed_width_padding=fixed_width_padding)
+    for name in encoders:
+        g = grids[name]
+        pp = pp_sizes.get(name, grid_dim(g, "pp") if _is_grid(g) else 1)
+        check_model_layout(encoder_pp=pp, encoder_dp=len(groups[name][0]), language_dp=dl,
+                           fixed_width_padding=fixed_width_padding)
+    return groups
+
+
+def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: int, fixed_width_padding,
+         device=None, pp_sizes: Mapping | None = None, language_module: str = LANGUAGE,
+         data_backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+         log_every: int = 0, rank: int | None = None):
+    """Turn this rank's micro-batch iterator into a ReorderingBuffer (or return it unchanged when
+    reordering is off).
+
+    config: a ReorderConfig, or any object / mapping carrying the `megatron_mimo_*` fields.
+    module: the module whose DP group this iterator feeds (a colocated rank passes either name: its
+      modules must then share DP groups). grids: {module: HyperCommGrid or DP rank lists} for every
+      module of the model (e.g. MimoModelConfig.module_to_grid_map) - the same on every rank.
+    global_batch: B, samples per global micro-batch (a multiple of G = lcm of the DP sizes); each
+      rank's iterator yields its contiguous B/dp share (scalable reads, CanonicalBatchSampler).
+    fixed_width_padding: must be True (samples padded to one sequence length); False is refused.
+    device: where the rank's batches live (CUDA -> NCCL payload exchange).
+
+    Rejects encoder PP > 1, encoder dp > language dp, language dp not a multiple of encoder dp,
+    no fixed-width padding, and a colocated rank whose modules have different DP groups.
+    """
+    cfg = config if isinstance(config, ReorderConfig) else ReorderConfig.from_object(config)
+    if not cfg.enabled:
+        return data_iterator
+    import torch
+    import torch.distributed as dist
+
+    from reorder.buffer import ReorderingBuffer
+    from reorder.cost import CostModel
+    from reorder.dist import build_groups
+    from reorder.exchange import WindowExchanger
+
+    groups = check_layout(grids, pp_sizes=pp_sizes, fixed_width_padding=fixed_width_padding,
+                          language_module=language_module)
+    if module not in groups:
+        raise ValueError(f"module={module!r} is not in grids (modules: {list(groups)})")
+    me = dist.get_rank() if rank is None else rank
+    mine = [g for g in groups[module] if me in g]
+    if not mine:
+        raise ValueError(f"rank {me} is in no DP group of module {module!r}: {groups[module]}")
+    for other, gl in groups.items():  # build_groups serves the first module listing this rank
+        theirs = [g for g in gl if me in g]
+        if theirs and sorted(theirs[0]) != sorted(mine[0]):
+            raise ValueError(f"rank {me} is in module {other!r} with DP group {theirs[0]} and in {module!r} with "
+                             f"{mine[0]}: a colocated rank whose modules have different DP groups needs one "
+                             f"iterator per module, which wrap does not support")
+        if theirs:
+            break
+    if data_iterator is None:
+        raise ValueError(f"data_iterator is None on rank {me} (module {module!r}) but reorder is on: every "
+                         f"rank must load at least input_ids (see fields_to_load) to compute the cost")
+    dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    rg = build_groups(groups, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
+    cost = CostModel(encoder_weight=cfg.encoder_weight, language_weight=cfg.language_weight,
+                     image_token_id=cfg.image_token_id, vision_start_token_id=cfg.vision_start_token_id,
+                     spatial_merge_size=cfg.spatial_merge_size)
+    ex = WindowExchanger(grid=rg.grid, global_batch=global_batch, cost=cost, balancer=cfg.balancer,
+                         window_size=cfg.window_size, collectives=rg.side if cfg.overlap else rg.main,
+                         device=dev)
+    return ReorderingBuffer(iter(data_iterator), ex, overlap=cfg.overlap, log_every=log_every)
