@@ -42,8 +42,9 @@ class Block(nn.Module):
         h = self.qkv(self.n1(x))
         outs = []
         for a, b in bounds:  # full attention within each image
-            q, k, v = h[a:b].view(b - a, 3, self.heads, -1).permute(1, 2, 0, 3).unbind(0)
-            outs.append(F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(b - a, -1))
+            q, k, v = h[a:b].view(1, b - a, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # [1, H, n, d]
+            o = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous())  # flash kernel
+            outs.append(o[0].transpose(0, 1).reshape(b - a, -1))
         x = x + self.proj(torch.cat(outs) if outs else h[:, : x.shape[1]])
         return x + self.mlp(self.n2(x))
 

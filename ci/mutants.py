@@ -10,6 +10,7 @@ already fails, i.e. the check itself is meaningless).
     python ci/mutants.py                     # all mutations
     python ci/mutants.py -k lpt -k routes    # only mutations whose name contains one of these
     python ci/mutants.py --list              # print the mutations and exit
+    python ci/mutants.py --rev HEAD          # test a commit's tree instead of the working tree
     python ci/mutants.py -- --hypothesis-seed=0   # extra pytest args after --
 
 Each run: `python -m pytest -x -q -p no:cacheprovider -n 2 <tests>` in the copy, with
@@ -44,10 +45,10 @@ class Mutation:
     tests: tuple = ALL_TESTS
 
 
-# the distributed path's cost line (the dp == 1 path has the same line without the routes after it)
-EXCHANGE_COSTS = ("costs = self.cost.costs(counts[..., 0], counts[..., 1])\n"
-                  "        orders, gated = self._plan(costs)\n"
-                  "        routes = window_routes(")
+# the distributed path's cost line (the dp == 1 path `_local` has the same line after `counts.numpy()`)
+EXCHANGE_COSTS = ("# natural order per slot\n"
+                  "        t_plan = time.perf_counter()\n"
+                  "        costs = self.cost.costs(counts[..., 0], counts[..., 1])")
 
 MUTATIONS = [
     # 1. LPT visit order (-cost, -index) instead of (-cost, index): ties broken the wrong way.
@@ -125,7 +126,13 @@ def repo_files(root: str) -> list:
         return sorted(files)
 
 
-def copy_repo(files: list, dest: str) -> None:
+def copy_repo(files, dest: str, rev: str | None = None) -> None:
+    """Copy the working tree's `files` to dest, or (with rev) the tree of commit `rev`."""
+    if rev:
+        os.makedirs(dest, exist_ok=True)
+        tar = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=tar, check=True)
+        return
     for f in files:
         target = os.path.join(dest, f)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -178,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per pytest run (default 240)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    ap.add_argument("--rev", help="test the tree of this git commit (e.g. HEAD) instead of the working tree")
     ap.add_argument("--tests", nargs="+", help="override the test files of every mutation")
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest output of survivors/timeouts")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest args (after --)")
@@ -187,17 +195,17 @@ def main(argv=None) -> int:
         for m in muts:
             print(f"{m.name}: {m.path}")
         return 0
-    files = repo_files(ROOT)
+    files = None if args.rev else repo_files(ROOT)
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="reorder-mutants-") as tmp:
         # every mutation must apply cleanly before anything runs
         for i, m in enumerate(muts):
             dest = os.path.join(tmp, f"m{i}")
-            copy_repo(files, dest)
+            copy_repo(files, dest, args.rev)
             apply(m, dest)
         if not args.no_baseline:
             base = os.path.join(tmp, "base")
-            copy_repo(files, base)
+            copy_repo(files, base, args.rev)
             check_imports_from_copy(base)
             failed, first, secs, out = run_tests(base, ALL_TESTS, args.pytest_args, args.timeout)
             print(f"baseline (unmutated): {'FAILED ' + first if failed else 'passed'} in {secs:.0f} s", flush=True)

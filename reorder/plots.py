@@ -59,25 +59,27 @@ def simulation(path: str, result: dict, title: str) -> None:
     modules = result["modules"]
     balancers = list(result["balancers"])
     fig, axes = plt.subplots(2, len(modules), figsize=(4.2 * len(modules) + 0.6, 6.4), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {b: cycle[i % len(cycle)] for i, b in enumerate(balancers)}
+    color["before"] = "#c8553d"
     for c, m in enumerate(modules):
         ax = axes[0][c]
         saved = [100 * result["balancers"][b][m]["saved"] for b in balancers]
         bound = 100 * result["bound"][m]["saved"]
-        ax.bar(balancers, saved, color=[colors[i % len(colors)] for i in range(len(balancers))])
-        ax.axhline(bound, color="grey", ls="--", lw=0.8, label=f"lower bound {bound:.1f}%")
+        ax.bar(balancers, saved, color=[color[b] for b in balancers])
+        ax.axhline(bound, color="grey", ls="--", lw=0.8, label=f"most any equal-count plan can save: {bound:.1f}%")
         for i, s in enumerate(saved):
             ax.annotate(f"{s:.1f}%", (i, s), ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, max(bound, *saved, 1) * 1.3)
         ax.set_title(f"{m} (dp {modules[m]}): straggler time saved", fontsize=9)
         ax.set_ylabel("% of sum of per-micro-batch max")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
         ax = axes[1][c]
         curves = [("before", result["spreads"][m]["before"])] + \
                  [(b, result["spreads"][m][b]) for b in balancers if b != "identity"]
-        for i, (label, sp) in enumerate(curves):
+        for label, sp in curves:
             sp = np.sort(np.asarray(sp))
-            ax.step(sp, np.arange(1, len(sp) + 1) / max(1, len(sp)), where="post", label=label,
-                    color="#c8553d" if label == "before" else colors[(i - 1) % len(colors)])
+            ax.step(sp, np.arange(1, len(sp) + 1) / max(1, len(sp)), where="post", label=label, color=color[label])
         ax.set_xlabel("per-micro-batch spread (max / mean rank cost)")
         ax.set_ylabel("fraction of micro-batches")
         ax.legend(fontsize=7, loc="lower right")

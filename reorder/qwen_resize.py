@@ -24,7 +24,8 @@ def smart_resize(height: int, width: int, *, factor: int = PATCH_SIZE * MERGE_SI
     """(resized height, resized width) in pixels, both multiples of `factor`.
 
     Rounding to the nearest multiple uses Python's round() (halves go to the even multiple), like
-    the reference processor; a side never rounds below one factor.
+    the reference processor. A side shorter than one factor is not rejected (as early Qwen2-VL
+    processors did): the area rule scales the image up; a side never ends below one factor.
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"image size {width}x{height} is invalid: width and height must be > 0")
@@ -33,17 +34,17 @@ def smart_resize(height: int, width: int, *, factor: int = PATCH_SIZE * MERGE_SI
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(f"image size {width}x{height} has aspect ratio "
                          f"{max(height, width) / min(height, width):.0f} > {MAX_ASPECT_RATIO}, which Qwen-VL rejects")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
+        h = math.floor(height / beta / factor) * factor
+        w = math.floor(width / beta / factor) * factor
     elif h * w < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h = math.ceil(height * beta / factor) * factor
         w = math.ceil(width * beta / factor) * factor
-    return h, w
+    return max(factor, h), max(factor, w)
 
 
 def image_patches(width: int, height: int, *, patch_size: int = PATCH_SIZE, merge_size: int = MERGE_SIZE,
