@@ -138,6 +138,8 @@ def main():
                 rep = reports[args.warmup:]
                 predicted = 1 - sum(r.max_after for r in rep) / sum(r.max_before for r in rep)
     results = {m: percentiles(t) for m, t in samples.items()}
+    results["allocator"] = {k: torch.cuda.memory_stats(dev).get(k, 0) for k in ("num_alloc_retries", "num_ooms")}
+    results["allocator"]["max_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
     off, off90 = results["off"]["mean"], results["off"]["p90"]
     out = dict(device=torch.cuda.get_device_name(0) + f" x{world}", modes=results, predicted_gain=predicted,
                mean_gain=1 - results["overlap"]["mean"] / off, mean_gain_sync=1 - results["sync"]["mean"] / off,
@@ -146,6 +148,9 @@ def main():
     if me == 0:
         print(f"{'mode':10} {'mean ms':>8} {'p50':>8} {'p90':>8} {'p99':>8}")
         for m, r in results.items():
+            if m == "allocator":
+                print("allocator:", r)
+                continue
             print(f"{m:10} {r['mean']:8.2f} {r['p50']:8.2f} {r['p90']:8.2f} {r['p99']:8.2f}")
         print(f"predicted ideal gain {predicted:.1%}; measured mean gain overlap {out['mean_gain']:.1%}, "
               f"sync {out['mean_gain_sync']:.1%}; p90 gain {out['p90_gain']:.1%}; "

@@ -47,7 +47,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from reorder import megatron as rm  # noqa: E402
 from reorder import synthetic as syn  # noqa: E402
 from reorder.config import ReorderConfig  # noqa: E402
-from reorder.cost import CostModel  # noqa: E402
 from reorder.sampler import CanonicalBatchSampler  # noqa: E402
 from spec import reference as ref  # noqa: E402
 
@@ -72,6 +71,12 @@ class Dataset:
 
     def __len__(self):
         return self.n
+
+    def tokens(self, i):
+        return self[i]["input_ids"][0].tolist()
+
+    def mask(self, i):
+        return self[i]["attention_mask"][0].tolist()
 
     def __getitem__(self, i):
         s = self._cache.get(i)
@@ -336,10 +341,11 @@ def image_tokens_per_mb(run):
 
 def expected_share(env, cfg, window_ids):
     """Reference (spec) canonical order of one global micro-batch, as dataset indices."""
-    g = collate([env["ds"][i] for i in window_ids])
-    cost = CostModel(language_weight=cfg.language_weight)
-    p, r, _ = cost.token_counts(g["input_ids"], g["attention_mask"])
-    order = ref.lpt_order([float(c) for c in cost.costs(p.numpy(), r.numpy())], env["dp"])
+    ds = env["ds"]
+    costs = [ref.sample_cost(ds.tokens(i), ds.mask(i), image_token_id=syn.IMAGE_TOKEN, spatial_merge_size=2,
+                             encoder_weight=cfg.encoder_weight, language_weight=cfg.language_weight)
+             for i in window_ids]
+    order = ref.lpt_order(costs, env["dp"])
     return [window_ids[i] for i in order]
 
 
@@ -418,7 +424,12 @@ def test_resume(args, env):
 
 
 def test_soak(args, env):
-    results = []
+    results, refused = [], None
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and args.device == "cuda":
+        try:  # overlap must be refused there (DESIGN section 6), on every rank alike
+            Run(args, env, reorder_cfg(True, window=2, overlap=True), iters=1).close()
+        except ValueError as e:
+            refused = str(e)
     for weight in args.weights:
         for window in args.windows:
             for overlap in args.overlaps:
@@ -434,33 +445,35 @@ def test_soak(args, env):
                         dist.all_reduce(late, group=env["gloo"])
                         if late.item():
                             break
-                buf = run.it
+                seconds = time.time() - t0
                 run.close()
-                alive = bool(getattr(buf, "worker_alive", False))
-                acc = check_accounting(env, run, cfg)
-                finite = all(math.isfinite(x) for x in run.losses)
+                buf = run.it
+                reps = list(getattr(buf, "reports", []))
                 r = {"window": window, "overlap": overlap, "language_weight": weight, "iters": done,
-                     "seconds": round(time.time() - t0, 1), "thread_alive_after_close": alive,
-                     "finite": finite, **acc}
-                if buf is not run.it or True:
-                    reps = list(getattr(buf, "reports", []))
-                    if reps:
-                        r["moved_frac"] = round(sum(x.moved_samples for x in reps) / sum(x.total_samples for x in reps), 3)
-                        r["spread_before"] = round(float(np.mean([x.spread_before for x in reps])), 3)
-                        r["spread_after"] = round(float(np.mean([x.spread_after for x in reps])), 3)
+                     "ms_per_iter": round(1000 * seconds / max(done, 1), 2),
+                     "thread_alive_after_close": bool(getattr(buf, "worker_alive", False)),
+                     "finite": all(math.isfinite(x) for x in run.losses), "last_loss": run.losses[-1]}
+                if reps:  # the buffer keeps the last 1000 window reports
+                    r["moved_frac"] = round(sum(x.moved_samples for x in reps) / sum(x.total_samples for x in reps), 3)
+                    r["spread_before"] = round(float(np.mean([x.spread_before for x in reps])), 3)
+                    r["spread_after"] = round(float(np.mean([x.spread_after for x in reps])), 3)
+                r.update(check_accounting(env, run, cfg))
                 log("SOAK", json.dumps(r))
                 results.append(r)
     if dist.get_rank():
         return {}
     ok = all(r["iters"] >= args.iters and r["finite"] and not r["thread_alive_after_close"] for r in results)
-    return {"test": "soak", "ok": ok, "cdmc": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "combos": results,
-            "total_iters": sum(r["iters"] for r in results)}
+    cdmc = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    out = {"test": "soak", "ok": ok, "cdmc": cdmc, "combos": results, "total_iters": sum(r["iters"] for r in results)}
+    if cdmc == "1" and args.device == "cuda":
+        out["overlap_refused"] = refused
+        out["ok"] = ok and refused is not None
+    return out
 
 
 def test_noncoloc(args):
     """Encoder rank 0, language rank 1, real 1F1B schedule through MultiModulePipelineCommunicator."""
     import megatron.core.pipeline_parallel.schedules as schedule
-    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
     from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 
@@ -480,6 +493,8 @@ def test_noncoloc(args):
     B = args.global_batch  # dp 1 per module: each rank reads the whole global micro-batch
 
     def run(on, iters):
+        """on: reorder on both ranks (bool), or (encoder rank, language rank) for the misaligned control."""
+        on = on[me] if isinstance(on, tuple) else on
         model.load_state_dict(init)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.Adam(params, lr=args.lr)
@@ -501,7 +516,7 @@ def test_noncoloc(args):
                     return torch.tensor(0.0, device=device, requires_grad=True), {}
                 s = (output_tensor.float() * loss_mask).sum()
                 c = loss_mask.sum()
-                return s / c, {"loss": (s / c).detach()}
+                return s / c, {"loss": (s / c).detach().clone()}  # the schedule divides the first in place
             return out, lambda t: loss_func(loss_mask, t)
 
         for _ in range(iters):
@@ -521,16 +536,20 @@ def test_noncoloc(args):
 
     off_l, off_seen = run(False, args.iters)
     on_l, on_seen = run(True, args.iters)
-    every = gather({"off": off_seen, "on": on_seen, "losses_off": off_l, "losses_on": on_l})
+    bad_l, _ = run((False, True), 1)  # control: only the language rank reorders -> images meet wrong text
+    every = gather({"off": off_seen, "on": on_seen, "losses_off": off_l, "losses_on": on_l, "bad": bad_l})
     if me:
         return {}
+    control = abs(every[1]["bad"][0] - every[1]["losses_off"][0]) / abs(every[1]["losses_off"][0])
     aligned = every[0]["on"] == every[1]["on"] and every[0]["off"] == every[1]["off"]
     permuted = sum(a != b for a, b in zip(every[0]["on"], every[0]["off"]))
     lo, ln = every[1]["losses_off"], every[1]["losses_on"]
     d1 = abs(lo[0] - ln[0])
     rel = max(abs(a - b) / abs(a) for a, b in zip(lo, ln))
-    ok = aligned and permuted > 0 and d1 <= args.first_tolerance * abs(lo[0]) and rel <= args.tolerance
+    ok = aligned and permuted > 0 and d1 <= args.first_tolerance * abs(lo[0]) and rel <= args.tolerance \
+        and control > 100 * args.first_tolerance
     return {"test": "noncoloc", "ok": bool(ok), "iters": args.iters, "encoder_and_language_order_equal": aligned,
+            "misaligned_control_rel_diff": control,
             "micro_batches_permuted": permuted, "of": len(every[0]["on"]), "loss1_off": lo[0], "loss1_on": ln[0],
             "loss1_abs_diff": d1, "max_rel_diff": rel, "losses_off": lo, "losses_on": ln}
 
@@ -596,7 +615,86 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def summarize(folder) -> int:
+    """Print the suite summary from the jobs' JSON results (ci/gpu_mimo.sh); returns the exit status."""
+    import glob
+
+    def load(name):
+        path = os.path.join(folder, name + ".json")
+        return json.load(open(path)) if os.path.exists(path) else None
+
+    lines, bad = [], []
+    for f in ("versions.txt", "rc.txt"):
+        path = os.path.join(folder, f)
+        if os.path.exists(path):
+            lines += [f"# {f}"] + ["  " + x.rstrip() for x in open(path) if x.strip()]
+    fmt = lambda xs: "[" + ", ".join(f"{x:.6f}" for x in xs) + "]"  # noqa: E731
+    r = load("parity")
+    if r is None:
+        bad.append("parity: no result")
+    else:
+        lines += [f"{'PASS' if r['ok'] else 'FAIL'} parity (colocated dp 2, {r['iters']} iterations x "
+                  f"{r['micro_batches_per_iter']} micro-batches, reorder off vs on W 2 overlap)",
+                  f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| {r['loss1_abs_diff']:.3e} "
+                  f"(relative {r['loss1_rel_diff']:.3e}, limit {r['first_tolerance_rel']:.0e})",
+                  f"  loss curves: max |diff| {r['max_abs_diff']:.3e}, max relative {r['max_rel_diff']:.3e} "
+                  f"(limit {r['tolerance_rel']:.0e})",
+                  f"  per-micro-batch image-token sums over ranks identical: {r['image_token_sums_equal']}; first "
+                  f"micro-batch per rank off {r['image_tokens_first_mb_off']} on {r['image_tokens_first_mb_on']}; "
+                  f"mean max/mean spread {r['image_token_spread_off']:.3f} -> {r['image_token_spread_on']:.3f}",
+                  f"  accounting: on {r['accounting_on']}, off {r['accounting_off']}",
+                  f"  losses off {fmt(r['losses_off'])}", f"  losses on  {fmt(r['losses_on'])}"]
+        bad += [] if r["ok"] else ["parity"]
+    r = load("resume")
+    if r is None:
+        bad.append("resume: no result")
+    else:
+        lines += [f"{'PASS' if r['ok'] else 'FAIL'} resume (reorder on W {r['window']} overlap {r['overlap']}): checkpoint "
+                  f"at iteration {r['checkpoint_at']} (consumed_samples {r['consumed_samples']}, epoch "
+                  f"{r['epoch_at_resume']}), next {len(r['resumed'])} losses bit-identical: {r['ok']} "
+                  f"(max |diff| {r['max_abs_diff']:.1e})",
+                  f"  continuous {fmt(r['continuous'])}", f"  resumed    {fmt(r['resumed'])}",
+                  f"  accounting {r['accounting']}"]
+        bad += [] if r["ok"] else ["resume"]
+    r = load("noncoloc")
+    if r is None:
+        lines.append("FAIL noncoloc: no result (see its log)")
+        bad.append("noncoloc")
+    else:
+        lines += [f"{'PASS' if r['ok'] else 'FAIL'} noncoloc (encoder rank 0 + language rank 1, grid 1, 1F1B schedule "
+                  f"through BridgeCommunicator, {r['iters']} iterations)",
+                  f"  encoder and language ranks saw the same sample order: {r['encoder_and_language_order_equal']}; "
+                  f"{r['micro_batches_permuted']}/{r['of']} micro-batches permuted",
+                  f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| {r['loss1_abs_diff']:.3e}; "
+                  f"max relative over {r['iters']} iterations {r['max_rel_diff']:.3e}",
+                  f"  control (only the language rank reorders): iteration-1 loss off by {r['misaligned_control_rel_diff']:.3e} "
+                  f"relative (must be large)"]
+        bad += [] if r["ok"] else ["noncoloc"]
+    total = 0
+    for path in sorted(glob.glob(os.path.join(folder, "soak_*.json"))):
+        name = os.path.basename(path)[:-5]
+        r = json.load(open(path))
+        head = f"{'PASS' if r['ok'] else 'FAIL'} {name} (CUDA_DEVICE_MAX_CONNECTIONS={r['cdmc']})"
+        if "overlap_refused" in r:
+            head += f"; overlap refused: {bool(r['overlap_refused'])}"
+        lines.append(head)
+        for c in r["combos"]:
+            total += c["iters"]
+            lines.append(f"  W {c['window']} overlap {c['overlap']!s:5} weight {c['language_weight']}: {c['iters']} iterations "
+                         f"({c['ms_per_iter']} ms/iter), {c.get('samples', '?')} samples accounted exactly, moved "
+                         f"{c.get('moved_frac', '-')}, spread {c.get('spread_before', '-')} -> {c.get('spread_after', '-')}, "
+                         f"last loss {c['last_loss']:.4f}")
+        bad += [] if r["ok"] else [name]
+    lines.append(f"soak total: {total} iterations")
+    lines.append("RESULT " + ("all passed" if not bad else "failed: " + ", ".join(bad)))
+    print("\n".join(lines))
+    return 1 if bad else 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--summarize"]:
+        sys.exit(summarize(argv[1]))
     args = parse(argv)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
