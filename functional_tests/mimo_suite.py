@@ -19,9 +19,12 @@ Tests (launch with torchrun; every rank runs the same test):
              sample accounting exact (every sample of every global micro-batch seen once, on the rank
              the reference plan says), no hang, no error
   noncoloc   encoder grid on rank 0, language grid on rank 1 (dp 1 each: grid 1, local permutation),
-             the real MultiModulePipelineCommunicator / BridgeCommunicator 1F1B schedule: reorder off
-             vs on give the same losses (a misaligned permutation would pair wrong images and text)
-  --device cpu runs parity/resume/soak on Gloo with small CPU shims (debugging only).
+             the real MultiModulePipelineCommunicator / BridgeCommunicator 1F1B schedule: both ranks see
+             the same sample order, every sample's image embeddings arrive at that sample's placeholders
+             (per-sample checksums, encoder output vs language input), reorder off vs on give the same
+             losses; a control run where only the language rank reorders must show mismatches
+  --device cpu runs every test on Gloo with small CPU shims (debugging only: megatron hard-codes CUDA and
+  NCCL in a few places, which the shims redirect).
 Every rank prints one `RESULT {json}` line at the end (rank 0's is the summary).
 """
 
@@ -144,6 +147,19 @@ def cpu_shims():
     torch.cuda.current_device = lambda: "cpu"  # megatron allocates some buffers on the current device
     import megatron.core.fusions.fused_softmax as fused_softmax
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    class CpuTorch:  # the schedule allocates a counter with device="cuda"
+        def __getattr__(self, name):
+            attr = getattr(torch, name)
+            if name in ("zeros", "ones", "tensor", "empty", "full"):
+                return lambda *a, **k: attr(*a, **{**k, "device": "cpu"} if k.get("device") == "cuda" else k)
+            return attr
+
+    schedules.torch = CpuTorch()
+    for name in ("new_group", "new_subgroups_by_enumeration"):  # megatron asks for NCCL in places
+        orig = getattr(dist, name)
+        setattr(dist, name, lambda *a, _orig=orig, **k: _orig(*a, **{**k, "backend": "gloo"}))
 
 
 def make_grid(offset, size, backend):
@@ -477,8 +493,9 @@ def test_noncoloc(args):
     from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    enc_grid, lang_grid = make_grid(0, 1, "nccl"), make_grid(1, 1, "nccl")
+    cpu = args.device == "cpu"
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    enc_grid, lang_grid = make_grid(0, 1, "gloo" if cpu else "nccl"), make_grid(1, 1, "gloo" if cpu else "nccl")
     embd = embedding_groups([enc_grid, lang_grid])
     model = build_model(args, enc_grid, lang_grid, embd, device)
     init = copy.deepcopy(model.state_dict())
@@ -503,11 +520,12 @@ def test_noncoloc(args):
         fields = rm.fields_to_load(module, 0, cfg)
         it = rm.wrap(rank_source(ds, sampler, fields, device), config=cfg, module=module, grids=grids,
                      global_batch=B, fixed_width_padding=True, device=device)
-        seen, losses = [], []
+        seen, losses, sums, current = [], [], [], {}
 
         def step_func(data_iterator, mdl):
             mb = next(data_iterator)
             seen.append(mb["sample_id"].tolist())
+            current["ids"], current["input_ids"] = mb["sample_id"].tolist(), mb["input_ids"]
             kw = model_inputs(mb)
             out, loss_mask = mdl(**kw)
 
@@ -518,6 +536,21 @@ def test_noncoloc(args):
                 c = loss_mask.sum()
                 return s / c, {"loss": (s / c).detach().clone()}  # the schedule divides the first in place
             return out, lambda t: loss_func(loss_mask, t)
+
+        # per-sample checksums of the image embeddings: what the encoder produced for sample i (rank 0) and
+        # what the language model received at sample i's placeholders after the bridge (rank 1)
+        def enc_hook(mod, inp, out):
+            counts = (current["input_ids"] == syn.IMAGE_TOKEN).sum(1).tolist()
+            per = torch.split(out.detach().double().sum(-1), counts)
+            sums.extend(zip(current["ids"], [float(x.sum()) for x in per]))
+
+        def lang_hook(mod, args_, kwargs):
+            x = kwargs["decoder_input"].detach().double().transpose(0, 1)  # [B, S, H]
+            img = current["input_ids"] == syn.IMAGE_TOKEN
+            sums.extend(zip(current["ids"], [float(x[b][img[b]].sum()) for b in range(x.shape[0])]))
+
+        hook = (model.modality_submodules[ENC].input_projections[0].register_forward_hook(enc_hook) if me == 0 else
+                model.language_model.register_forward_pre_hook(lang_hook, with_kwargs=True))
 
         for _ in range(iters):
             opt.zero_grad()
@@ -530,16 +563,25 @@ def test_noncoloc(args):
             opt.step()
             if me == 1:
                 losses.append(float(sum(float(r["loss"]) for r in res) / len(res)))
+        hook.remove()
         if hasattr(it, "close"):
             it.close()
-        return losses, seen
+        return losses, seen, sums
 
-    off_l, off_seen = run(False, args.iters)
-    on_l, on_seen = run(True, args.iters)
-    bad_l, _ = run((False, True), 1)  # control: only the language rank reorders -> images meet wrong text
-    every = gather({"off": off_seen, "on": on_seen, "losses_off": off_l, "losses_on": on_l, "bad": bad_l})
+    off_l, off_seen, off_sums = run(False, args.iters)
+    on_l, on_seen, on_sums = run(True, args.iters)
+    bad_l, _, bad_sums = run((False, True), 1)  # control: only the language rank reorders
+    every = gather({"off": off_seen, "on": on_seen, "losses_off": off_l, "losses_on": on_l, "bad": bad_l,
+                    "sums": {"off": off_sums, "on": on_sums, "bad": bad_sums}})
     if me:
         return {}
+
+    def mismatches(key):  # samples whose image embeddings on the language rank are not the encoder's for it
+        enc, lang = every[0]["sums"][key], every[1]["sums"][key]
+        assert len(enc) == len(lang), (key, len(enc), len(lang))
+        return sum(e != la for e, la in zip(sorted(enc), sorted(lang))), len(enc)
+
+    paired = {k: mismatches(k) for k in ("off", "on", "bad")}
     control = abs(every[1]["bad"][0] - every[1]["losses_off"][0]) / abs(every[1]["losses_off"][0])
     aligned = every[0]["on"] == every[1]["on"] and every[0]["off"] == every[1]["off"]
     permuted = sum(a != b for a, b in zip(every[0]["on"], every[0]["off"]))
@@ -547,8 +589,9 @@ def test_noncoloc(args):
     d1 = abs(lo[0] - ln[0])
     rel = max(abs(a - b) / abs(a) for a, b in zip(lo, ln))
     ok = aligned and permuted > 0 and d1 <= args.first_tolerance * abs(lo[0]) and rel <= args.tolerance \
-        and control > 100 * args.first_tolerance
+        and paired["off"][0] == 0 and paired["on"][0] == 0 and paired["bad"][0] > 0
     return {"test": "noncoloc", "ok": bool(ok), "iters": args.iters, "encoder_and_language_order_equal": aligned,
+            "image_embedding_mismatches": {k: f"{v[0]}/{v[1]} samples" for k, v in paired.items()},
             "misaligned_control_rel_diff": control,
             "micro_batches_permuted": permuted, "of": len(every[0]["on"]), "loss1_off": lo[0], "loss1_on": ln[0],
             "loss1_abs_diff": d1, "max_rel_diff": rel, "losses_off": lo, "losses_on": ln}
@@ -667,8 +710,11 @@ def summarize(folder) -> int:
                   f"{r['micro_batches_permuted']}/{r['of']} micro-batches permuted",
                   f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| {r['loss1_abs_diff']:.3e}; "
                   f"max relative over {r['iters']} iterations {r['max_rel_diff']:.3e}",
-                  f"  control (only the language rank reorders): iteration-1 loss off by {r['misaligned_control_rel_diff']:.3e} "
-                  f"relative (must be large)"]
+                  f"  per-sample image-embedding checksums, encoder output vs language input after the bridge: "
+                  f"mismatches {r['image_embedding_mismatches']} (off/on must be 0)",
+                  f"  control (only the language rank reorders, 1 iteration): mismatches "
+                  f"{r['image_embedding_mismatches']['bad']}, iteration-1 loss off by {r['misaligned_control_rel_diff']:.3e} "
+                  f"relative"]
         bad += [] if r["ok"] else ["noncoloc"]
     total = 0
     for path in sorted(glob.glob(os.path.join(folder, "soak_*.json"))):
@@ -705,11 +751,14 @@ def main(argv=None):
     t0 = time.time()
     try:
         if args.test == "noncoloc":
-            from megatron.core import parallel_state
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+            if args.device == "cpu":
+                cpu_shims()
+            else:
+                from megatron.core import parallel_state
+                from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-            parallel_state._set_global_memory_buffer()
-            model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
+                parallel_state._set_global_memory_buffer()
+                model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
             result = test_noncoloc(args)
         else:
             env = setup(args)

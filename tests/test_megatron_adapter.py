@@ -249,3 +249,27 @@ def test_wrap_colocated_dp2_from_grids(overlap):
     cfg = ReorderConfig(megatron_mimo_reorder_language_cost_weight=0.5)
     for rank in range(2):
         assert got[rank] == [_expected_ids(g, cfg, 2, rank, 2) for g in _global_batches(5)]
+
+
+def test_rank_enum_matches_megatron_golden_table():
+    """Golden values read from megatron-core 0.19.2's HyperCommGrid(shape, names, rank_offset=3)
+    .get_rank_enum(dims) (WORLD_SIZE=64, Python 3.12). With a real grid, `rank_enum` calls the grid's
+    own get_rank_enum, so this fallback only serves grid-like objects without it."""
+    golden = {
+        ((2, 1, 2, 2), ("tp", "cp", "pp", "dp"), ("dp",)): [[3, 7], [4, 8], [5, 9], [6, 10]],
+        ((2, 1, 2, 2), ("tp", "cp", "pp", "dp"), ("tp", "pp")): [[3, 4, 5, 6], [7, 8, 9, 10]],
+        ((2, 1, 2, 2), ("tp", "dp", "cp", "pp"), ("dp",)): [[3], [4], [5], [6], [7], [8], [9], [10]],
+        ((2, 1, 2, 2), ("tp", "dp", "cp", "pp"), ("tp", "pp")): [[3, 4, 7, 8], [5, 6, 9, 10]],
+        ((1, 2, 2, 4), ("tp", "cp", "pp", "dp"), ("dp",)): [[3, 7, 11, 15], [4, 8, 12, 16], [5, 9, 13, 17],
+                                                           [6, 10, 14, 18]],
+        ((1, 2, 2, 4), ("tp", "cp", "pp", "dp"), ("tp", "pp")): [[3, 5], [4, 6], [7, 9], [8, 10], [11, 13],
+                                                                [12, 14], [15, 17], [16, 18]],
+        ((1, 2, 2, 4), ("tp", "dp", "cp", "pp"), ("dp",)): [[3, 4], [5, 6], [7, 8], [9, 10], [11, 12], [13, 14],
+                                                           [15, 16], [17, 18]],
+        ((1, 2, 2, 4), ("tp", "dp", "cp", "pp"), ("tp", "pp")): [[3, 7, 11, 15], [4, 8, 12, 16], [5, 9, 13, 17],
+                                                                [6, 10, 14, 18]],
+    }
+    for (shape, names, dims), want in golden.items():
+        assert rm._rank_enum(list(shape), list(names), 3, list(dims)) == want, (shape, names, dims)
+        if dims == ("dp",):
+            assert rm.dp_groups_from_grid(FakeGrid(list(shape), list(names), 3)) == want
