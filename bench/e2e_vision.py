@@ -113,7 +113,8 @@ def main():
             buf = None
         else:
             ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=1,
-                                 collectives=groups.side if mode == "overlap" else groups.main, device=dev)
+                                 collectives=groups.side if mode == "overlap" else groups.main, device=dev,
+                                 profile_stages=(mode == "sync"))  # sync mode synchronizes anyway
             buf = ReorderingBuffer(iter(shares), ex, overlap=(mode == "overlap"))
             it = iter(buf)
         times = []
@@ -130,10 +131,16 @@ def main():
 
     run("off")  # warm pass over every batch: kernels, autotuning and allocator settle before timing
     samples, predicted = {"off": [], "sync": [], "overlap": []}, None
+    sync_exchange = []  # per round: exchange time inside the synchronous steps
     for _ in range(args.rounds):  # modes interleaved, so drift hits all of them alike
         for mode in ("off", "sync", "overlap"):
             times, reports = run(mode)
             samples[mode] += times
+            if mode == "sync":
+                ex_ms = [r.exchange_ms for r in reports[args.warmup:]]
+                worst = max(range(len(ex_ms)), key=ex_ms.__getitem__)
+                sync_exchange.append(dict(median_ms=float(np.median(ex_ms)), max_ms=ex_ms[worst],
+                                          worst_stages=reports[args.warmup + worst].stage_ms))
             if mode == "sync" and predicted is None:
                 rep = reports[args.warmup:]
                 predicted = 1 - sum(r.max_after for r in rep) / sum(r.max_before for r in rep)
@@ -145,6 +152,7 @@ def main():
                mean_gain=1 - results["overlap"]["mean"] / off, mean_gain_sync=1 - results["sync"]["mean"] / off,
                p90_gain=1 - results["overlap"]["p90"] / off90)
     out["gain_over_ideal"] = out["mean_gain"] / predicted if predicted else None
+    out["sync_exchange"] = sync_exchange
     if me == 0:
         print(f"{'mode':10} {'mean ms':>8} {'p50':>8} {'p90':>8} {'p99':>8}")
         for m, r in results.items():
@@ -155,6 +163,7 @@ def main():
         print(f"predicted ideal gain {predicted:.1%}; measured mean gain overlap {out['mean_gain']:.1%}, "
               f"sync {out['mean_gain_sync']:.1%}; p90 gain {out['p90_gain']:.1%}; "
               f"gain / ideal {out['gain_over_ideal']:.2f}")
+        print("synchronous exchange inside the steps:", sync_exchange)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
