@@ -129,13 +129,17 @@ def main():
             buf.close()
         return times[args.warmup:], reports
 
-    run("off")  # warm pass over every batch: kernels, autotuning and allocator settle before timing
+    for mode in ("off", "sync", "overlap"):  # warm passes: every batch shape of every mode seen once
+        run(mode)
+    per_round = []
     samples, predicted = {"off": [], "sync": [], "overlap": []}, None
     sync_exchange = []  # per round: exchange time inside the synchronous steps
-    for _ in range(args.rounds):  # modes interleaved, so drift hits all of them alike
-        for mode in ("off", "sync", "overlap"):
+    order = ["off", "sync", "overlap"]
+    for k in range(args.rounds):  # modes interleaved and rotated, so drift and order hit all alike
+        for mode in order[k % 3:] + order[:k % 3]:
             times, reports = run(mode)
             samples[mode] += times
+            per_round.append(dict(round=k, mode=mode, mean_ms=float(np.mean(times)), max_ms=float(np.max(times))))
             if mode == "sync":
                 ex_ms = [r.exchange_ms for r in reports[args.warmup:]]
                 worst = max(range(len(ex_ms)), key=ex_ms.__getitem__)
@@ -153,6 +157,7 @@ def main():
                p90_gain=1 - results["overlap"]["p90"] / off90)
     out["gain_over_ideal"] = out["mean_gain"] / predicted if predicted else None
     out["sync_exchange"] = sync_exchange
+    out["per_round"] = per_round
     if me == 0:
         print(f"{'mode':10} {'mean ms':>8} {'p50':>8} {'p90':>8} {'p99':>8}")
         for m, r in results.items():
@@ -164,6 +169,8 @@ def main():
               f"sync {out['mean_gain_sync']:.1%}; p90 gain {out['p90_gain']:.1%}; "
               f"gain / ideal {out['gain_over_ideal']:.2f}")
         print("synchronous exchange inside the steps:", sync_exchange)
+        for r in per_round:
+            print(f"  round {r['round']} {r['mode']:8} mean {r['mean_ms']:8.2f} ms  max {r['max_ms']:8.2f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)

@@ -4,11 +4,21 @@ A balancer takes `costs` (float64 [B], natural order) and `groups` (G, B % G == 
 canonical order: int64 [B], position p -> natural sample index; group j holds positions
 [j*B/G, (j+1)*B/G). Sample i naturally sits in group i // (B/G). Every balancer is deterministic:
 ties are broken by index, never by hash or dict order.
+
+- "identity": the natural assignment, nothing moves.
+- "lpt": equal-count LPT, bit-for-bit the reference (compatibility mode, DESIGN section 5).
+- "balanced" (recommended): a max group load never above LPT's on any input, usually optimal or
+  within 0.05% of it, and far fewer samples moved (`balanced` says how).
+For tests and benchmarks: `lower_bound` (a proven lower bound on the optimal max load) and `exact`
+(the optimum, by MILP; needs scipy).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
+import itertools
+import math
 
 import numpy as np
 
@@ -40,7 +50,654 @@ def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
     return members.reshape(-1)
 
 
-BALANCERS = {"lpt": lpt, "identity": identity}
+# --------------------------------------------------------------------------------------------------
+# "balanced": movement-aware equal-count balancing, never worse than LPT.
+#
+# Every load here is a float64 sum in a fixed order (np.cumsum along a row, or Python's sequential
+# `+`): no order-dependent reductions, so every rank of every module computes bit-identical plans.
+# Every loop has a fixed iteration bound (never a wall-clock one): same inputs, same work, same plan.
+# --------------------------------------------------------------------------------------------------
+
+_TOL = 5e-4           # search stops once the max load is within 0.05% of the proven lower bound
+_SMALL = 1024         # G*m*m at or below: swaps against every group, and a second start from LPT
+_SMALL_ITERS = 128    # swap iterations per start on small instances
+_COARSE_MIN = 256     # B at or above: evict-and-refill before the swap rounds
+_PAIR_ROUNDS = 6      # vectorised heaviest/lightest pair rounds
+_BATCH_ROUNDS = 8     # batched swap rounds (large instances)
+_BATCH_WORK = 8192    # swap candidates evaluated per batched round
+_POLISH_ITERS = 8     # single-swap iterations after the batched rounds (large instances)
+_POLISH_WORK = 2048   # swap candidates per polish iteration (sets how many light groups are tried)
+_HOME_ROUNDS = 4      # rounds of "send samples back home" swaps at the end (small instances)
+_HOME_ROUNDS_LARGE = 1
+_RESPLIT_M = 4       # re-split moves (every partition of two groups' samples) for m up to this
+_EXHAUSTIVE_B = 12    # B at or below: every partition is tried, the max load is the optimum
+_EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
+
+
+def _checked_costs(costs, groups: int) -> np.ndarray:
+    c = np.ascontiguousarray(costs, dtype=np.float64)
+    if c.ndim != 1:
+        raise ValueError(f"costs has shape {c.shape}: expected one cost per sample, shape [B]")
+    if not isinstance(groups, (int, np.integer)) or groups < 1:
+        raise ValueError(f"groups={groups!r} is invalid: the canonical grid G must be an integer >= 1")
+    if len(c) == 0 or len(c) % groups:
+        raise ValueError(f"B={len(c)} samples cannot be split into G={groups} equal groups: "
+                         f"B must be a positive multiple of G")
+    if not np.isfinite(c).all() or (c < 0).any():
+        bad = int(np.flatnonzero(~np.isfinite(c) | (c < 0))[0])
+        raise ValueError(f"cost of sample {bad} is {c[bad]!r}: costs must be finite and >= 0")
+    return c
+
+
+def _row_sums(C: np.ndarray) -> np.ndarray:
+    """Per-row sums in a fixed left-to-right order (bit-identical on every machine)."""
+    return np.cumsum(C, axis=1)[:, -1].copy()
+
+
+def _exact_max(rows) -> float:
+    """Max over groups of the correctly rounded sum of the group's costs."""
+    return max(math.fsum(r) for r in rows)
+
+
+def _sums_are_exact(c: np.ndarray) -> bool:
+    """True when every sum of these costs is exact in float64 (all multiples of 2**-20, total below
+    2**32): then float comparisons of loads are exact comparisons. Integer costs qualify."""
+    scaled = c * 2.0 ** 20
+    return bool(c.max() * len(c) < 2.0 ** 32 and np.array_equal(scaled, np.floor(scaled)))
+
+
+def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray) -> float:
+    """Max group load of equal-count LPT, computed exactly as `lpt` does (same visiting order, same
+    float additions). When the G largest costs are positive they go to groups 0..G-1 in order (every
+    load is 0 until then, ties by group index), so that first round is set up directly."""
+    cap = len(c) // groups
+    xs = c[visit].tolist()
+    if cap > 1 and xs[groups - 1] > 0:
+        heap = [(xs[j], j, 2) for j in range(groups)]     # (load, group, count after the next one)
+        heapq.heapify(heap)
+        xs = xs[groups:]
+    else:
+        heap = [(0.0, j, 1) for j in range(groups)]
+    top = -math.inf
+    replace, pop = heapq.heapreplace, heapq.heappop
+    for x in xs:
+        load, j, k = heap[0]
+        if k < cap:
+            replace(heap, (load + x, j, k + 1))
+        else:
+            pop(heap)
+            if load + x > top:
+                top = load + x
+    return top
+
+
+def _lpt_members(c: np.ndarray, groups: int) -> np.ndarray:
+    """LPT's partition as int64 [G, m] (row j: group j's samples, ascending)."""
+    grp = np.empty(len(c), dtype=np.int64)
+    grp[lpt(c, groups)] = np.repeat(np.arange(groups), len(c) // groups)
+    return np.argsort(grp, kind="stable").reshape(groups, -1)
+
+
+def _cheap_lower_bound(s: np.ndarray, groups: int, m: int) -> float:
+    """Lower bound on the optimal max load from costs sorted descending (O(B)): the mean load; for
+    every k < m, some group holds k+1 of the k*G+1 largest costs plus m-k-1 others; for m == 2 the
+    exact optimum (largest paired with smallest)."""
+    n = len(s)
+    asc = np.concatenate(([0.0], np.cumsum(s[::-1])))
+    best = asc[-1] / groups
+    if m == 2:
+        return max(best, float((s[:groups] + s[::-1][:groups]).max()))
+    pre = np.concatenate(([0.0], np.cumsum(s)))
+    k = np.arange(m)
+    v = pre[k * groups + 1] - pre[k * groups - k] + asc[m - 1 - k]
+    return max(best, float(v.max()))
+
+
+def lower_bound(costs, groups: int) -> float:
+    """A proven lower bound on the minimal max group load under equal counts (for tests/benchmarks).
+
+    Max of: mean load; the largest cost plus the m-1 smallest (and its generalisation: r groups
+    together hold at least r(k+1) of the k*G+r largest costs); the t largest costs spread over u
+    groups with u*m slots, u <= min(t, G), the free slots holding at least the smallest costs; for
+    m == 2 the exact optimum. O(B*G) time and memory.
+    """
+    c = _checked_costs(costs, groups)
+    n, G = len(c), groups
+    m = n // G
+    s = np.sort(c)[::-1]
+    if m == 1:
+        return float(s[0])
+    best = _cheap_lower_bound(s, G, m)
+    if m == 2:
+        return best
+    pre = np.concatenate(([0.0], np.cumsum(s)))
+    asc = np.concatenate(([0.0], np.cumsum(s[::-1])))
+    for k in range(m):
+        r = np.arange(1, G + 1)
+        size = k * G + r
+        r, size = r[size <= n], size[size <= n]
+        top = pre[size] - pre[size - r * (k + 1)]
+        best = max(best, float(((top + asc[r * (m - k - 1)]) / r).max()))
+    t = np.arange(1, n + 1)[:, None]
+    u = np.arange(1, G + 1)[None, :]
+    ok = (u <= t) & (u * m >= t)
+    val = np.where(ok, (pre[t] + asc[np.clip(u * m - t, 0, n)]) / u, np.inf)
+    return max(best, float(val.min(axis=1).max()))
+
+
+def _coarse(M, C, L, theta):
+    """Evict and refill: each group above `theta` keeps its largest cost and evicts its next largest
+    ones until it would sit at `theta` (counting the small costs it will receive back); groups below
+    evict their smallest costs, as many in total, in proportion to their room; the evicted samples are
+    refilled into the vacated slots by LPT. Moves only the evicted samples. Returns new (M, C)."""
+    G, m = M.shape
+    order = np.argsort(-C, axis=1, kind="stable")
+    order += np.arange(0, G * m, m)[:, None]        # flat positions, row by row
+    Cs = C.ravel()[order]
+    excess = L - theta
+    heavy = excess > 0
+    light = ~heavy
+    if not heavy.any() or not light.any():
+        return M, C
+    smallest = np.sort(Cs[light, -1])
+    incoming = float(smallest[len(smallest) // 2])
+    shed = np.cumsum(Cs[:, 1:] - incoming, axis=1)
+    E = np.where(heavy, np.minimum((shed < excess[:, None]).sum(axis=1) + 1, m - 1), 0)
+    total = int(E.sum())
+    room = np.where(light, -excess, 0.0)
+    if total == 0 or not room.sum() > 0:
+        return M, C
+    share = total * room / np.cumsum(room)[-1]
+    F = np.floor(share).astype(np.int64)
+    rest = total - int(F.sum())
+    if rest > 0:
+        F[np.argsort(F - share, kind="stable")[:rest]] += 1         # largest remainders, ties by index
+    F = np.minimum(F, m - 1)
+    col = np.arange(m)[None, :]
+    out_sorted = np.where(heavy[:, None], (col >= 1) & (col <= E[:, None]), col >= m - F[:, None])
+    out = np.zeros((G, m), dtype=bool)
+    out.ravel()[order] = out_sorted
+    gi, pi = np.nonzero(out)                       # vacated slots, grouped by group (row-major)
+    items, ic = M[gi, pi], C[gi, pi]
+    pinned = _row_sums(np.where(out, 0.0, C))
+    vacant = np.bincount(gi, minlength=G)
+    open_groups = np.flatnonzero(vacant)
+    # LPT on expected final loads: every slot of a group beyond its next one counts as the mean of
+    # the smallest evicted costs (those fill such slots), so a group with many vacancies (one huge
+    # sample kept) takes the small samples, last
+    extra = len(ic) - len(open_groups)
+    avg = float(np.cumsum(np.sort(ic)[:extra])[-1] / extra) if extra > 0 else 0.0
+    heap = list(zip((pinned[open_groups] + (vacant[open_groups] - 1) * avg).tolist(), open_groups.tolist()))
+    heapq.heapify(heap)
+    left = vacant.tolist()
+    dst = []
+    push, replace, pop = dst.append, heapq.heapreplace, heapq.heappop
+    visit = np.argsort(-ic, kind="stable")                    # ties by slot, row by row
+    for x in ic[visit].tolist():
+        load, j = heap[0]
+        push(j)
+        left[j] -= 1
+        if left[j]:
+            replace(heap, (load + x - avg, j))
+        else:
+            pop(heap)
+    # the vacated slots (gi, pi) are grouped by group: fill them in the same grouping
+    fill = visit[np.argsort(np.array(dst), kind="stable")]
+    M, C = M.copy(), C.copy()
+    M[gi, pi] = items[fill]
+    C[gi, pi] = ic[fill]
+    return M, C
+
+
+def _swap(M, C, h, a, q, b):
+    M[h, a], M[q, b] = M[q, b], M[h, a]
+    C[h, a], C[q, b] = C[q, b], C[h, a]
+
+
+def _pair_rounds(M, C, L, target, rounds):
+    """Pair the groups above `target` (heaviest first, at most G/2) with the lightest ones; in every
+    pair do the one swap that best evens the two (cost difference nearest half the load gap, strictly
+    inside (0, gap) so the pair's max strictly drops). All pairs at once."""
+    G, m = M.shape
+    for _ in range(rounds):
+        order = np.argsort(L, kind="stable")
+        P = min(int(np.count_nonzero(L > target)), G // 2)
+        if P == 0:
+            return
+        hv, lt = order[::-1][:P], order[:P]
+        gap = L[hv] - L[lt]
+        Ch, Cl = C[hv], C[lt]
+        d = (Ch[:, :, None] - Cl[:, None, :]).reshape(P, m * m)
+        d -= (0.5 * gap)[:, None]
+        f = np.abs(d, out=d).argmin(axis=1)
+        a, b = f // m, f % m
+        ar = np.arange(P)
+        db = Ch[ar, a] - Cl[ar, b]
+        good = (db > 0) & (db < gap)
+        if not good.any():
+            return
+        hv, lt, a, b = hv[good], lt[good], a[good], b[good]
+        t = M[hv, a]
+        M[hv, a] = M[lt, b]
+        M[lt, b] = t
+        t = C[hv, a]
+        C[hv, a] = C[lt, b]
+        C[lt, b] = t
+        L[hv] = _row_sums(C[hv])
+        L[lt] = _row_sums(C[lt])
+
+
+def _batched_rounds(M, C, L, target, rounds, work):
+    """Each round the P heaviest groups each make their best swap (lowest resulting pair max) with a
+    distinct one of the K lightest groups; heavier groups choose first."""
+    G, m = M.shape
+    mm = m * m
+    pk = max(1, work // mm)
+    K = min(G - 1, max(1, int(2 * math.sqrt(pk))))
+    P = max(1, min(pk // K, G - K))
+    for _ in range(rounds):
+        order = np.argsort(L, kind="stable")
+        hv, lt = order[::-1][:P], order[:K]
+        if L[hv[0]] <= target:
+            return
+        Lh = L[hv]
+        d = C[hv][:, None, :, None] - C[lt][None, :, None, :]
+        pair_max = np.maximum(Lh[:, None, None, None] - d, L[lt][None, :, None, None] + d).reshape(P, K, mm)
+        f = pair_max.argmin(axis=2)
+        best = np.take_along_axis(pair_max, f[:, :, None], axis=2)[:, :, 0]
+        ok = best < Lh[:, None]
+        if not ok[0].any():
+            return      # the heaviest group cannot improve here: the max load would not drop
+        score = np.where(ok, best, np.inf).tolist()
+        fl = f.tolist()
+        hvl, ltl = hv.tolist(), lt.tolist()     # disjoint: P <= G - K
+        used = set()
+        for p in range(P):
+            h = hvl[p]
+            row = score[p]
+            k = min((k for k in range(K) if row[k] != math.inf and ltl[k] not in used),
+                    key=row.__getitem__, default=None)
+            if k is None:
+                continue
+            used.add(ltl[k])
+            used.add(h)
+            a, b = divmod(fl[p][k], m)
+            _swap(M, C, h, a, ltl[k], b)
+        if not used:
+            return
+        L[:] = _row_sums(C)
+
+
+def _local_search(M, C, L, target, iters, K):
+    """Steepest single swaps between the heaviest group and the K lightest groups: the swap with the
+    lowest resulting pair max, strictly below the heaviest load; among equal ones the one that moves
+    fewest samples away from home. Returns (iterations used, stuck)."""
+    G, m = M.shape
+    for it in range(iters):
+        order = np.argsort(L, kind="stable")
+        h = int(order[-1])
+        Lh = L[h]
+        if Lh <= target:
+            return it, False
+        part = order[:K]
+        d = C[h][:, None, None] - C[part][None, :, :]
+        pair_max = np.maximum(Lh - d, L[part][None, :, None] + d)
+        best = pair_max.min()
+        if not best < Lh:
+            return it, True
+        cand = pair_max == best
+        if np.count_nonzero(cand) > 1:
+            home_h, home_k = M[h] // m, M[part] // m
+            away = ((home_h[:, None] != part[None, :]).astype(np.int8) - (home_h != h)[:, None])[:, :, None] \
+                + ((home_k != h).astype(np.int8) - (home_k != part[:, None]))[None]
+            f = int(np.argmin(np.where(cand, away, 9)))
+        else:
+            f = int(np.argmax(cand))
+        a, qi, b = np.unravel_index(f, pair_max.shape)
+        q = int(part[qi])
+        _swap(M, C, h, a, q, b)
+        L[[h, q]] = _row_sums(C[[h, q]])
+    return iters, False
+
+
+def _gather(M, C, L):
+    """The heaviest group trades its costs, largest first, for the smallest costs held anywhere else,
+    as long as the receiving group stays below the heaviest group's new load (fixes a group holding
+    one huge sample, which must end up with the smallest samples). Returns the number of swaps."""
+    G, m = M.shape
+    h = int(np.argmax(L))
+    flat = C.ravel()
+    o = np.argsort(flat, kind="stable")
+    o = o[o // m != h][: 4 * m]
+    oc, og, op = flat[o].tolist(), (o // m).tolist(), (o % m).tolist()
+    loads = L.tolist()
+    Lh = loads[h]
+    used = [False] * len(oc)
+    n = 0
+    for a in np.argsort(-C[h], kind="stable").tolist():
+        x = float(C[h, a])
+        for t, y in enumerate(oc):
+            if y >= x:
+                break
+            if used[t]:
+                continue
+            q, d = og[t], x - y
+            if loads[q] + d < Lh - d:
+                used[t] = True
+                _swap(M, C, h, a, q, op[t])
+                Lh -= d
+                loads[q] += d
+                n += 1
+                break
+    L[:] = _row_sums(C)
+    return n
+
+
+def _resplit(M, C, L, k):
+    """Best re-split of the heaviest group together with k-1 of the lightest others: every
+    equal-count partition of their k*m samples (`_partitions`), lowest max, then the labelling that
+    keeps most samples home. Applied only if it lowers the heaviest load. Small m only."""
+    G, m = M.shape
+    if G < k:
+        return False
+    order = np.argsort(L, kind="stable")
+    h = int(order[-1])
+    combos = np.array([(h,) + t for t in itertools.combinations(order[:min(G - 1, 4)].tolist(), k - 1)])
+    U = C[combos].reshape(len(combos), k * m)
+    ids = M[combos].reshape(len(combos), k * m)
+    P = _partitions(k, m)
+    pmax = np.cumsum(U[:, P], axis=3)[..., -1].max(axis=2)                 # [combos, partitions]
+    best = pmax.min()
+    if not best < L[h]:
+        return False
+    ti, pi = np.nonzero(pmax == best)
+    ti, pi = ti[:256], pi[:256]
+    perms = np.array(list(itertools.permutations(range(k))))                # bin b -> combos[t, perm[b]]
+    home = ids[ti[:, None, None], P[pi]] // m                                 # [cand, bin, m]
+    dest = combos[ti][:, perms]                                               # [cand, perm, bin]
+    kept = (home[:, None, :, :] == dest[..., None]).sum(axis=(2, 3))          # [cand, perm]
+    f = int(np.argmax(kept))
+    r, q = divmod(f, len(perms))
+    t, part = ti[r], P[pi[r]]
+    for b, g in enumerate(combos[t][perms[q]].tolist()):
+        M[g] = ids[t][part[b]]
+        C[g] = U[t][part[b]]
+    L[combos[t]] = _row_sums(C[combos[t]])
+    return True
+
+
+def _improve(M, C, L, target, iters, K):
+    """Local search; when it is stuck, a gather move, else a re-split of the heaviest group with one
+    other (m <= 4, or any m <= 8 when G == 2: then exact) or two others (m <= 3), then search on,
+    within `iters` steps."""
+    G, m = M.shape
+    used = 0
+    while used < iters:
+        it, stuck = _local_search(M, C, L, target, iters - used, K)
+        used += it + 1
+        if not stuck:
+            return
+        if _gather(M, C, L):
+            continue
+        if (m <= _RESPLIT_M or (G == 2 and m <= 8)) and _resplit(M, C, L, 2):
+            continue
+        if not (m <= 3 and _resplit(M, C, L, 3)):
+            return
+
+
+@functools.lru_cache(maxsize=None)
+def _partitions(groups: int, m: int) -> np.ndarray:
+    """Every split of range(G*m) into G unlabelled groups of m: int64 [P, G, m] (15400 for 4 x 3)."""
+    n = groups * m
+    if groups == 2:
+        first = np.array([(0,) + t for t in itertools.combinations(range(1, n), m - 1)], dtype=np.int64)
+        mask = np.ones((len(first), n), dtype=bool)
+        mask[np.arange(len(first))[:, None], first] = False
+        arr = np.stack([first, np.nonzero(mask)[1].reshape(len(first), m)], axis=1)
+        arr.setflags(write=False)
+        return arr
+    out = []
+
+    def rec(rest, chosen):
+        if not rest:
+            out.append(chosen)
+            return
+        first, tail = rest[0], rest[1:]
+        for comb in itertools.combinations(tail, m - 1):
+            rec(tuple(x for x in tail if x not in comb), chosen + ((first,) + comb,))
+
+    rec(tuple(range(n)), ())
+    arr = np.array(out, dtype=np.int64)
+    arr.setflags(write=False)
+    return arr
+
+
+def _exhaustive(c, groups, m):
+    """Optimal partition by enumeration (B <= 12): lowest max load; among those, the most samples
+    that can stay home (per bin, its largest same-home count). Returns (max load, int64 [G, m])."""
+    P = _partitions(groups, m)
+    pmax = np.cumsum(c[P], axis=2)[..., -1].max(axis=1)
+    best = pmax.min()
+    tied = np.flatnonzero(pmax == best)
+    same_home = (P[tied][..., None] // m == np.arange(groups)).sum(axis=2)      # [t, bin, home]
+    pick = tied[int(np.argmax(same_home.max(axis=2).sum(axis=1)))]
+    return float(best), P[pick].copy()
+
+
+def _relabel(M, m):
+    """Give every bin of a partition the group label it overlaps most (greedy by overlap, ties by
+    index): the same loads, fewer moved samples."""
+    G = M.shape[0]
+    overlap = np.bincount(np.repeat(np.arange(G), m) * G + (M // m).ravel(), minlength=G * G)
+    nz = np.flatnonzero(overlap)
+    nz = nz[np.lexsort((nz, -overlap[nz]))]
+    label = [-1] * G
+    taken = [False] * G
+    for f in nz.tolist():
+        b, g = divmod(f, G)
+        if label[b] < 0 and not taken[g]:
+            label[b] = g
+            taken[g] = True
+    free = [g for g in range(G) if not taken[g]]
+    for b in range(G):
+        if label[b] < 0:
+            label[b] = free.pop(0)
+    out = np.empty_like(M)
+    out[np.array(label)] = M
+    return out
+
+
+def _return_home(M, C, L, cap, rounds):
+    """Swaps that bring moved samples back to their natural group (net fewer moved samples) while
+    every load stays <= cap. Each round: per moved sample its best partner in its home group; the
+    candidates, most saving first, are kept when they are the first to touch both their groups
+    (so the kept swaps are disjoint and all computed loads stay valid); all applied at once."""
+    G, m = M.shape
+    home_row = np.repeat(np.arange(G), m)
+    for _ in range(rounds):
+        flat = M.ravel()
+        mv = np.flatnonzero(flat // m != home_row)
+        if len(mv) == 0:
+            return
+        a = mv // m
+        p = mv - a * m
+        q = flat[mv] // m
+        ci = C.ravel()[mv][:, None]
+        ck = C[q]
+        fits = (L[a][:, None] - ci + ck <= cap) & (L[q][:, None] + ci - ck <= cap)
+        kh = M[q] // m
+        gain = (kh != a[:, None]).astype(np.int64) - 1 - (kh != q[:, None])   # change in moved count
+        key = np.where(fits, gain, 1)
+        b = key.argmin(axis=1)
+        kb = key[np.arange(len(mv)), b]
+        cand = np.flatnonzero(kb < 0)
+        if len(cand) == 0:
+            return
+        cand = cand[np.argsort(kb[cand], kind="stable")]
+        ga, gq = a[cand], q[cand]
+        idx = np.arange(len(cand))
+        first = np.full(G, len(cand))
+        np.minimum.at(first, ga, idx)
+        np.minimum.at(first, gq, idx)
+        r = cand[(first[ga] == idx) & (first[gq] == idx)]
+        ia, ib = (a[r], p[r]), (q[r], b[r])
+        t = M[ia]
+        M[ia] = M[ib]
+        M[ib] = t
+        t = C[ia]
+        C[ia] = C[ib]
+        C[ib] = t
+        L[:] = _row_sums(C)
+
+
+def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
+    """Movement-aware equal-count balancing; the recommended balancer.
+
+    Guarantees, on any input: a permutation with exactly B/G samples per group; a max group load
+    (group load = correctly rounded sum of its costs, `math.fsum`) never above LPT's; deterministic
+    (ties by index, fixed iteration bounds, order-fixed float sums, so every rank computes the same
+    plan); if the natural assignment already reaches the proven lower bound, nothing moves.
+
+    Plan, starting from the natural assignment (sample i in group i // (B/G)):
+    1. large batches (B >= 256): evict the surplus of overloaded groups and refill by LPT (`_coarse`);
+    2. pair rounds: heaviest groups swap with the lightest, all pairs at once;
+    3. swap local search on the heaviest group: against every group on small instances (G*m*m <= 1024),
+       batched heaviest-vs-lightest rounds then a few single swaps on large ones; a "gather" move
+       when stuck. Search stops at (1 + 5e-4) x a proven lower bound;
+    4. LPT: on small instances a second start from LPT's partition (relabelled to overlap the natural
+       groups most); on any instance, if the search ended above LPT's max load, LPT's partition plus
+       search replaces it. Only a strictly lower max load beats the natural start (fewer moves);
+    5. B <= 12: every equal-count partition is enumerated; if the search missed the optimum, the
+       optimal partition (relabelled) replaces it, so the max load there is always the optimum;
+    6. swaps that send moved samples back home without raising the max load;
+    7. guard: if the result's exact max load exceeds LPT's, LPT's partition (relabelled) is returned.
+
+    Canonical order: groups in order, members of a group in ascending natural index. So a sample that
+    stays in its group keeps its relative order, and a rank whose samples all stay holds them exactly
+    as before (the order does not depend on how the search visited them).
+    """
+    c = _checked_costs(costs, groups)
+    n, G = len(c), int(groups)
+    m = n // G
+    if G == 1 or m == 1:
+        return np.arange(n, dtype=np.int64)     # every plan has the same max load: move nothing
+    visit = np.argsort(-c, kind="stable")       # (-cost, index), LPT's visiting order
+    lb = _cheap_lower_bound(c[visit], G, m)
+    M = np.arange(n, dtype=np.int64).reshape(G, m)
+    C = c[M]
+    L = _row_sums(C)
+    lpt_max = _lpt_max(c, G, visit)
+    if L.max() > lb * (1 + _EXACT_MARGIN):        # else the natural plan is optimal: keep it
+        target = lb * (1 + _TOL)
+        small = G * m * m <= _SMALL
+        K = G - 1 if small else max(1, min(G - 1, _POLISH_WORK // (m * m)))
+        iters = _SMALL_ITERS if small else _POLISH_ITERS
+        if n >= _COARSE_MIN:
+            M, C = _coarse(M, C, L, lb)
+            L = _row_sums(C)
+        _pair_rounds(M, C, L, target, _PAIR_ROUNDS)
+        if not small:
+            _batched_rounds(M, C, L, target, _BATCH_ROUNDS, _BATCH_WORK)
+        _improve(M, C, L, target, iters, K)
+        best = L.max()
+        if small or best > lpt_max:
+            A = _lpt_members(c, G)
+            CA = c[A]
+            LA = _row_sums(CA)
+            _improve(A, CA, LA, target, iters, K)
+            if LA.max() < best * (1 - _EXACT_MARGIN) or best > lpt_max:
+                M = _relabel(A, m)
+                C = c[M]
+                L = _row_sums(C)
+                best = L.max()
+        if n <= _EXHAUSTIVE_B:
+            opt, X = _exhaustive(c, G, m)
+            if best > opt * (1 + _EXACT_MARGIN):
+                M = _relabel(X, m)
+                C = c[M]
+                L = _row_sums(C)
+                best = L.max()
+        _return_home(M, C, L, best, _HOME_ROUNDS if small else _HOME_ROUNDS_LARGE)
+    mine = L.max()
+    if _sums_are_exact(c):
+        worse = mine > lpt_max                        # every float sum above is exact
+    else:
+        worse = not mine < lpt_max * (1 - _EXACT_MARGIN) and \
+            _exact_max(C.tolist()) > _exact_max(c[_lpt_members(c, G)].tolist())
+    if worse:
+        M = _relabel(_lpt_members(c, G), m)
+    return np.sort(M, axis=1).reshape(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact solver (tests and benchmarks).
+# --------------------------------------------------------------------------------------------------
+
+def exact(costs: np.ndarray, groups: int, *, fewest_moves: bool = True,
+          time_limit: float | None = None) -> np.ndarray:
+    """The optimal plan: minimal max group load under equal counts, then (fewest_moves) the fewest
+    samples away from their natural group. Same contract and canonical order as `balanced`.
+
+    Two MILPs solved by scipy.optimize.milp (HiGHS); scipy is imported here because it is not a core
+    dependency (pip install scipy). Stage 1 breaks the symmetry between groups (the r-th largest cost
+    may only go to groups 0..r) and is bounded by LPT's max load; stage 2 keeps every load
+    within 1e-9 (relative) of stage 1's optimum and maximises samples kept home. For small instances:
+    B <= 16 usually takes well under a second, stage 2 is the harder one, and some B ~ 32-256
+    instances take minutes. Raises TimeoutError when `time_limit` (seconds, per stage) stops a stage
+    before optimality is proven.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    c = _checked_costs(costs, groups)
+    n, G = len(c), int(groups)
+    m = n // G
+    if G == 1 or m == 1:
+        return np.arange(n, dtype=np.int64)
+    visit = np.argsort(-c, kind="stable")
+    lpt_max = _lpt_max(c, G, visit)
+    nv = n * G + 1                                   # x[i*G + j] (sample i in group j), then T
+    i_idx = np.repeat(np.arange(n), G)
+    j_idx = np.tile(np.arange(G), n)
+    var = i_idx * G + j_idx
+    one_group = LinearConstraint(coo_matrix((np.ones(n * G), (i_idx, var)), shape=(n, nv)), 1, 1)
+    count = LinearConstraint(coo_matrix((np.ones(n * G), (j_idx, var)), shape=(G, nv)), m, m)
+    load = coo_matrix((np.concatenate([c[i_idx], -np.ones(G)]),
+                       (np.concatenate([j_idx, np.arange(G)]), np.concatenate([var, np.full(G, n * G)]))),
+                      shape=(G, nv))
+    integrality = np.ones(nv)
+    integrality[-1] = 0
+    options = {} if time_limit is None else {"time_limit": float(time_limit)}
+
+    def solve(objective, lo, hi, constraints, what):
+        res = milp(objective, constraints=constraints, integrality=integrality, bounds=Bounds(lo, hi),
+                   options=options)
+        if res.status != 0 or res.x is None:
+            raise TimeoutError(f"exact: {what} not solved to optimality (status {res.status}: "
+                               f"{res.message}); B={n}, G={G}, time_limit={time_limit}")
+        return np.round(res.x[:-1]).reshape(n, G).argmax(axis=1)
+
+    rank = np.empty(n, dtype=np.int64)
+    rank[visit] = np.arange(n)
+    lo, hi = np.zeros(nv), np.ones(nv)
+    hi[:-1][j_idx > rank[i_idx]] = 0                 # symmetry breaking (stage 1 only)
+    hi[-1] = lpt_max * (1 + 1e-6) + 1e-6             # loose: HiGHS rejects very tight windows
+    objective = np.zeros(nv)
+    objective[-1] = 1.0
+    grp = solve(objective, lo, hi, [one_group, count, LinearConstraint(load, -np.inf, 0)], "min max load")
+    best = _exact_max([c[grp == j].tolist() for j in range(G)])
+    if fewest_moves:
+        lo, hi = np.zeros(nv), np.ones(nv)
+        hi[-1] = lo[-1] = 0.0
+        cap = best + 1e-9 * max(1.0, abs(best))
+        objective = np.zeros(nv)
+        objective[var[j_idx == i_idx // m]] = -1.0     # maximise samples kept home
+        grp = solve(objective, lo, hi, [one_group, count, LinearConstraint(load, -np.inf, cap)],
+                    "fewest moves")
+    return np.lexsort((np.arange(n), grp)).astype(np.int64)
+
+
+BALANCERS = {"lpt": lpt, "identity": identity, "balanced": balanced}
 
 
 def get_balancer(name: str):

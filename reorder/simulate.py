@@ -346,12 +346,18 @@ def sample_costs(samples: Samples, args) -> np.ndarray:
 
 
 def _bound(costs: np.ndarray, d: int) -> np.ndarray:
-    """[M] lower bound of the max per-rank cost of any equal-count split over d ranks: the mean, and
-    the largest sample plus the b-1 smallest others on its rank."""
+    """[M] lower bound of the max per-rank cost of any equal-count split over d ranks:
+    reorder.balancers.lower_bound per micro-batch where available, else the mean and the largest
+    sample plus the b-1 smallest others on its rank."""
+    from reorder import balancers
+
     b = costs.shape[1] // d
     s = np.sort(costs, axis=1)
-    big = s[:, -1] + s[:, :b - 1].sum(axis=1)
-    return np.maximum(costs.sum(axis=1) / d, big)
+    simple = np.maximum(costs.sum(axis=1) / d, s[:, -1] + s[:, :b - 1].sum(axis=1))
+    proven = getattr(balancers, "lower_bound", None)
+    if proven is None:
+        return simple
+    return np.maximum(simple, [proven(row, d) for row in costs])
 
 
 def _spreads(loads: np.ndarray) -> np.ndarray:
