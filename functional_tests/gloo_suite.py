@@ -14,7 +14,6 @@ import argparse
 import datetime
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -185,26 +184,17 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def _child(rank, world, store_path, argv, result_dir):
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        result = run(parse(argv))
-        if rank == 0:
-            torch.save(result, os.path.join(result_dir, "result.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank, world, argv):
+    return run(parse(argv))
 
 
-def launch(argv, world: int) -> dict:
-    """Run the suite on `world` forked processes; returns rank 0's result, raises on any failure."""
-    import torch.multiprocessing as mp
+def launch(argv, world: int, timeout: float = 300.0) -> dict:
+    """Run the suite on `world` forked Gloo processes (reorder.multiproc: one intra-op thread per
+    child, so a parent's OpenMP pool cannot hang them; the whole run is bounded by `timeout`);
+    returns rank 0's result, raises ProcessesFailed on any failure."""
+    from reorder.multiproc import run_processes
 
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_child, args=(world, os.path.join(d, "store"), argv, d), nprocs=world,
-                           start_method="fork", join=True)
-        return torch.load(os.path.join(d, "result.pt"))
+    return run_processes(_rank_main, world, (argv,), timeout=timeout)
 
 
 if __name__ == "__main__":

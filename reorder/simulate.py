@@ -461,9 +461,10 @@ def run(args) -> dict:
                   f"{r['saved']:7.1%} {res['bound'][mod]['saved']:6.1%} {r['spread_before']:10.3f} -> "
                   f"{r['spread_after']:8.3f} {r['p95_spread_after']:9.3f} {r['moved_fraction']:6.1%} "
                   f"{r['plan_us_per_microbatch']:10.1f}", file=out)
-    print("\nstraggler = sum over micro-batches of the max per-rank cost (before: natural contiguous split); "
-          "saved = 1 - after/before;\nbound = the most any equal-count assignment could save; spread = max/mean "
-          "per-rank cost, mean over micro-batches; moved = samples that change rank", file=out, flush=True)
+    print("\nstraggler = sum over micro-batches of the max per-rank cost (before: the natural contiguous split); "
+          "saved = 1 - after/before\nbound = the most any equal-count split of the module's ranks could save (one "
+          "plan over G groups serves every module)\nspread = max/mean per-rank cost, mean over micro-batches (p95 "
+          "after: its 95th percentile); moved = samples that change rank", file=out, flush=True)
     data = dict(input=dict(source=samples.source, field=samples.field, samples=n, used=m * B, dropped=n - m * B),
                 layout=dps, groups=groups, micro_batch=B, micro_batches=m,
                 cost=dict(encoder_weight=args.encoder_weight, language_weight=args.language_weight,
