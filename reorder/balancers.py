@@ -60,17 +60,19 @@ def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
 
 _TOL = 5e-4           # search stops once the max load is within 0.05% of the proven lower bound
 _SMALL = 1024         # G*m*m at or below: swaps against every group, and a second start from LPT
-_SMALL_ITERS = 128    # swap iterations per start on small instances
+_SMALL_ITERS = 64     # swap iterations per start on small instances
 _COARSE_MIN = 256     # B at or above: evict-and-refill before the swap rounds
 _PAIR_ROUNDS = 6      # vectorised heaviest/lightest pair rounds
 _BATCH_ROUNDS = 8     # batched swap rounds (large instances)
 _BATCH_WORK = 8192    # swap candidates evaluated per batched round
 _POLISH_ITERS = 8     # single-swap iterations after the batched rounds (large instances)
 _POLISH_WORK = 2048   # swap candidates per polish iteration (sets how many light groups are tried)
-_HOME_ROUNDS = 4      # rounds of "send samples back home" swaps at the end (small instances)
-_HOME_ROUNDS_LARGE = 1
+_HOME_ROUNDS = 4      # rounds of "send samples back home" swaps at the end (small instances),
+_HOME_ROUNDS_LARGE = 1  # on large ones below _HOME_MAX_B samples, and none from there: at 1024 x 64
+_HOME_MAX_B = 1024      # one round costs ~0.09 ms and saves ~1% of the samples moved
 _RESPLIT_M = 4       # re-split moves (every partition of two groups' samples) for m up to this
-_EXHAUSTIVE_B = 12    # B at or below: every partition is tried, the max load is the optimum
+_RESPLIT_WORK = 12000  # partitions a search may evaluate in re-splits (bounds their time)
+_EXHAUSTIVE_B = 10    # B at or below: every partition is tried, the max load is the optimum
 _EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
 
 
@@ -106,20 +108,35 @@ def _sums_are_exact(c: np.ndarray) -> bool:
     return bool(c.max() * len(c) < 2.0 ** 32 and np.array_equal(scaled, np.floor(scaled)))
 
 
-def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray) -> float:
-    """Max group load of equal-count LPT, computed exactly as `lpt` does (same visiting order, same
-    float additions). When the G largest costs are positive they go to groups 0..G-1 in order (every
-    load is 0 until then, ties by group index), so that first round is set up directly."""
+def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray, record: bool):
+    """Equal-count LPT exactly as `lpt` (same visiting order, same float additions): its max group
+    load and, if `record`, the group of every sample in visiting order. When the G largest costs are
+    positive they go to groups 0..G-1 in order (every load is 0 until then, ties by group index), so
+    that first round is set up directly."""
     cap = len(c) // groups
     xs = c[visit].tolist()
+    assigned = []
     if cap > 1 and xs[groups - 1] > 0:
         heap = [(xs[j], j, 2) for j in range(groups)]     # (load, group, count after the next one)
         heapq.heapify(heap)
         xs = xs[groups:]
+        assigned = list(range(groups)) if record else assigned
     else:
         heap = [(0.0, j, 1) for j in range(groups)]
     top = -math.inf
     replace, pop = heapq.heapreplace, heapq.heappop
+    if record:
+        push = assigned.append
+        for x in xs:
+            load, j, k = heap[0]
+            push(j)
+            if k < cap:
+                replace(heap, (load + x, j, k + 1))
+            else:
+                pop(heap)
+                if load + x > top:
+                    top = load + x
+        return top, assigned
     for x in xs:
         load, j, k = heap[0]
         if k < cap:
@@ -128,13 +145,19 @@ def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray) -> float:
             pop(heap)
             if load + x > top:
                 top = load + x
-    return top
+    return top, None
+
+
+def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray) -> float:
+    """Max group load of equal-count LPT, exactly as `lpt` computes it."""
+    return _lpt_run(c, groups, visit, False)[0]
 
 
 def _lpt_members(c: np.ndarray, groups: int) -> np.ndarray:
     """LPT's partition as int64 [G, m] (row j: group j's samples, ascending)."""
+    visit = np.argsort(-c, kind="stable")
     grp = np.empty(len(c), dtype=np.int64)
-    grp[lpt(c, groups)] = np.repeat(np.arange(groups), len(c) // groups)
+    grp[visit] = _lpt_run(c, groups, visit, True)[1]
     return np.argsort(grp, kind="stable").reshape(groups, -1)
 
 
@@ -142,7 +165,6 @@ def _cheap_lower_bound(s: np.ndarray, groups: int, m: int) -> float:
     """Lower bound on the optimal max load from costs sorted descending (O(B)): the mean load; for
     every k < m, some group holds k+1 of the k*G+1 largest costs plus m-k-1 others; for m == 2 the
     exact optimum (largest paired with smallest)."""
-    n = len(s)
     asc = np.concatenate(([0.0], np.cumsum(s[::-1])))
     best = asc[-1] / groups
     if m == 2:
@@ -393,19 +415,24 @@ def _gather(M, C, L):
     return n
 
 
-def _resplit(M, C, L, k):
-    """Best re-split of the heaviest group together with k-1 of the lightest others: every
-    equal-count partition of their k*m samples (`_partitions`), lowest max, then the labelling that
-    keeps most samples home. Applied only if it lowers the heaviest load. Small m only."""
+def _resplit(M, C, L, k, budget):
+    """Best re-split of the heaviest group together with k-1 others (k == 2: any other group; k == 3:
+    two of the four lightest): every equal-count partition of their k*m samples (`_partitions`), the
+    lowest max, then the labelling that keeps most samples home. Applied only if it lowers the
+    heaviest load; skipped when it would exceed the remaining `budget` of partitions. Small m only."""
     G, m = M.shape
     if G < k:
         return False
     order = np.argsort(L, kind="stable")
     h = int(order[-1])
-    combos = np.array([(h,) + t for t in itertools.combinations(order[:min(G - 1, 4)].tolist(), k - 1)])
+    pool = order[:-1] if k == 2 else order[:min(G - 1, 4)]       # any partner; pairs of the 4 lightest
+    combos = np.array([(h,) + t for t in itertools.combinations(pool.tolist(), k - 1)])
+    P = _partitions(k, m)
+    if len(combos) * len(P) > budget[0]:
+        return False
+    budget[0] -= len(combos) * len(P)
     U = C[combos].reshape(len(combos), k * m)
     ids = M[combos].reshape(len(combos), k * m)
-    P = _partitions(k, m)
     pmax = np.cumsum(U[:, P], axis=3)[..., -1].max(axis=2)                 # [combos, partitions]
     best = pmax.min()
     if not best < L[h]:
@@ -428,10 +455,11 @@ def _resplit(M, C, L, k):
 
 def _improve(M, C, L, target, iters, K):
     """Local search; when it is stuck, a gather move, else a re-split of the heaviest group with one
-    other (m <= 4, or any m <= 8 when G == 2: then exact) or two others (m <= 3), then search on,
-    within `iters` steps."""
+    other (m <= 4, or m <= 8 when G == 2: then exact) or with two others (m <= 4), then search on,
+    within `iters` steps and `_RESPLIT_WORK` partitions evaluated by re-splits."""
     G, m = M.shape
     used = 0
+    budget = [_RESPLIT_WORK]
     while used < iters:
         it, stuck = _local_search(M, C, L, target, iters - used, K)
         used += it + 1
@@ -439,9 +467,9 @@ def _improve(M, C, L, target, iters, K):
             return
         if _gather(M, C, L):
             continue
-        if (m <= _RESPLIT_M or (G == 2 and m <= 8)) and _resplit(M, C, L, 2):
+        if (m <= _RESPLIT_M or (G == 2 and m <= 8)) and _resplit(M, C, L, 2, budget):
             continue
-        if not (m <= 3 and _resplit(M, C, L, 3)):
+        if not (m <= _RESPLIT_M and _resplit(M, C, L, 3, budget)):
             return
 
 
@@ -473,7 +501,7 @@ def _partitions(groups: int, m: int) -> np.ndarray:
 
 
 def _exhaustive(c, groups, m):
-    """Optimal partition by enumeration (B <= 12): lowest max load; among those, the most samples
+    """Optimal partition by enumeration (B <= 10): lowest max load; among those, the most samples
     that can stay home (per bin, its largest same-home count). Returns (max load, int64 [G, m])."""
     P = _partitions(groups, m)
     pmax = np.cumsum(c[P], axis=2)[..., -1].max(axis=1)
@@ -562,12 +590,14 @@ def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
     1. large batches (B >= 256): evict the surplus of overloaded groups and refill by LPT (`_coarse`);
     2. pair rounds: heaviest groups swap with the lightest, all pairs at once;
     3. swap local search on the heaviest group: against every group on small instances (G*m*m <= 1024),
-       batched heaviest-vs-lightest rounds then a few single swaps on large ones; a "gather" move
-       when stuck. Search stops at (1 + 5e-4) x a proven lower bound;
+       batched heaviest-vs-lightest rounds then a few single swaps on large ones; when stuck, a
+       "gather" move (the heaviest group trades for the smallest samples) or, for m <= 4, a re-split
+       of 2-3 groups (every partition of their samples). Search stops at (1 + 5e-4) x a proven
+       lower bound;
     4. LPT: on small instances a second start from LPT's partition (relabelled to overlap the natural
        groups most); on any instance, if the search ended above LPT's max load, LPT's partition plus
        search replaces it. Only a strictly lower max load beats the natural start (fewer moves);
-    5. B <= 12: every equal-count partition is enumerated; if the search missed the optimum, the
+    5. B <= 10: every equal-count partition is enumerated; if the search missed the optimum, the
        optimal partition (relabelled) replaces it, so the max load there is always the optimum;
     6. swaps that send moved samples back home without raising the max load;
     7. guard: if the result's exact max load exceeds LPT's, LPT's partition (relabelled) is returned.
@@ -617,7 +647,7 @@ def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
                 C = c[M]
                 L = _row_sums(C)
                 best = L.max()
-        _return_home(M, C, L, best, _HOME_ROUNDS if small else _HOME_ROUNDS_LARGE)
+        _return_home(M, C, L, best, _HOME_ROUNDS if small else _HOME_ROUNDS_LARGE if n < _HOME_MAX_B else 0)
     mine = L.max()
     if _sums_are_exact(c):
         worse = mine > lpt_max                        # every float sum above is exact

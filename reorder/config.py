@@ -31,7 +31,7 @@ class ReorderConfig:
     megatron_mimo_reorder_language_cost_weight: float = 0.0
     megatron_mimo_reorder_overlap: bool = True
     megatron_mimo_reorder_window_size: int = 1
-    balancer: str = "lpt"
+    balancer: str = "balanced"
     image_token_id: int = 248056
     vision_start_token_id: int = 248053
     spatial_merge_size: int = 2

@@ -97,7 +97,7 @@ class WindowExchanger:
     group (None only when dp == 1); batch_dims: overrides of per-field batch dims.
     """
 
-    def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "lpt",
+    def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "balanced",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
                  device: torch.device | str | None = None, profile_stages: bool = False,
                  min_gain: float | None = None):

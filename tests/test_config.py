@@ -32,7 +32,7 @@ def test_defaults():
     c = ReorderConfig()
     assert {k: getattr(c, k) for k in UPSTREAM} == UPSTREAM
     assert (c.balancer, c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == (
-        "lpt", 248056, 248053, 2)
+        "balanced", 248056, 248053, 2)
     assert (c.enabled, c.encoder_weight, c.language_weight, c.overlap, c.window_size) == (
         False, 1.0, 0.0, True, 1)
     assert not c.needs_attention_mask
