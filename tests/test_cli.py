@@ -81,7 +81,7 @@ def test_demo_detects_a_corrupted_sample(tmp_path):
     """The per-window checks are live: one flipped byte on the last rank fails the run (exit 1)."""
     proc = cli("demo", *SMALL_DEMO, "--inject-corruption", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "invariant check failed at window 2" in proc.stderr and "I5 violated" in proc.stderr, proc.stderr
+    assert "demo failed at window 2" in proc.stderr and "I5 violated" in proc.stderr, proc.stderr
     assert "language rank 3" in proc.stderr and "position_ids" in proc.stderr
     assert "Traceback" not in proc.stderr and "window 1/2" in proc.stdout
 
