@@ -5,7 +5,6 @@ objects and plain lists, per-rank field selection, `wrap` rejections, and `wrap`
 import datetime
 import os
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -208,31 +207,26 @@ def _expected_ids(g, cfg, dp, rank, groups):
     return [ids[i] for i in order[rank * B // dp:(rank + 1) * B // dp]]
 
 
-def _rank_main(rank, world, store_path, grids, cfg_kwargs, result_dir):
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        cfg = ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=True, **cfg_kwargs)
-        dp = len(rm.dp_groups_from_grid(grids["language"])[0])
-        fields = rm.fields_to_load(["images", "language"], 0, cfg)
-        src = (rm.select_fields(syn.rank_share(g, dp, rank % dp), fields + ("sample_id",)) for g in _global_batches(5))
-        buf = rm.wrap(src, config=cfg, module="language", grids=grids, global_batch=B, fixed_width_padding=True,
-                      timeout=datetime.timedelta(seconds=60))
-        got = [mb["sample_id"].tolist() for mb in buf]
-        buf.close()
-        torch.save(got, os.path.join(result_dir, f"r{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank, world, grids, cfg_kwargs):
+    cfg = ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=True, **cfg_kwargs)
+    dp = len(rm.dp_groups_from_grid(grids["language"])[0])
+    fields = rm.fields_to_load(["images", "language"], 0, cfg)
+    src = (rm.select_fields(syn.rank_share(g, dp, rank % dp), fields + ("sample_id",)) for g in _global_batches(5))
+    buf = rm.wrap(src, config=cfg, module="language", grids=grids, global_batch=B, fixed_width_padding=True,
+                  timeout=datetime.timedelta(seconds=60))
+    got = [mb["sample_id"].tolist() for mb in buf]
+    buf.close()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, got)
+    return everyone
 
 
 def _launch(world, grids, **cfg_kwargs):
-    import torch.multiprocessing as mp
+    """wrap() on `world` forked Gloo ranks (reorder.multiproc: bounded, one thread per child);
+    the balancer is the reference-checkable "lpt"."""
+    from reorder.multiproc import run_processes
 
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_rank_main, args=(world, os.path.join(d, "store"), grids, cfg_kwargs, d),
-                           nprocs=world, start_method="fork", join=True)
-        return [torch.load(os.path.join(d, f"r{r}.pt")) for r in range(world)]
+    return run_processes(_rank_main, world, (grids, dict(cfg_kwargs, balancer="lpt")), timeout=120)
 
 
 def test_wrap_dp1_permutes_locally():
