@@ -76,8 +76,10 @@ def run(args) -> dict:
     ex = WindowExchanger(grid=grid, global_batch=args.micro_batch, cost=cost, balancer=args.balancer,
                          window_size=args.window, collectives=coll, device=device)
     source = rank_source(args, module, grid.dp, grid.rank, device)
-    if args.case == "lost_peer" and me == world - 1:
-        os._exit(0)  # this rank dies before its first exchange
+    if args.case == "lost_peer":
+        dist.barrier()  # every rank has finished connecting its groups (Gloo connects at creation)
+        if me == world - 1:
+            os._exit(0)  # this rank dies before its first exchange
     outs, seen_error = [], None
     buf = ReorderingBuffer(source, ex, overlap=args.overlap)
     t0 = time.perf_counter()
