@@ -35,7 +35,7 @@ except ValueError as e:
     print('RESULT refused:', e)"
 run cdmc1_no_overlap env CUDA_DEVICE_MAX_CONNECTIONS=1 $TR functional_tests/gloo_suite.py --vision-dp 0 \
     --language-dp $N --device cuda --window 2 --no-overlap --micro-batches 40
-run bench_exchange $TR bench/exchange_gpu.py --per-rank 8 32 --windows 1 4 --json "$LOG/exchange_gpu.json"
+[ "${BENCH:-1}" = 1 ] && run bench_exchange $TR bench/exchange_gpu.py --per-rank 8 32 --windows 1 4 --json "$LOG/exchange_gpu.json"
 # Megatron-Core MIMO suite (needs megatron-core 0.19.2 importable, e.g. the carried wheel on PYTHONPATH)
 if python3 -c "import megatron.core" 2>/dev/null; then
   run mimo_suite bash ci/gpu_mimo.sh
