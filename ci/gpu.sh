@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite (2 GPUs, NCCL): run from the repo root on the GPU machine; logs go to ${OUT:-functional_tests/results}.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 LOG=${OUT:-functional_tests/results}
 mkdir -p "$LOG"
 N=${NPROC:-2}
