@@ -337,10 +337,11 @@ class Run:
             self.it.close()
 
 
-def reorder_cfg(on, *, window=1, overlap=True, weight=0.0):
+def reorder_cfg(on, *, window=1, overlap=True, weight=0.0, balancer=None):
+    extra = {} if balancer is None else {"balancer": balancer}
     return ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=on,
                          megatron_mimo_reorder_window_size=window, megatron_mimo_reorder_overlap=overlap,
-                         megatron_mimo_reorder_language_cost_weight=weight)
+                         megatron_mimo_reorder_language_cost_weight=weight, **extra)
 
 
 def gather(obj):
@@ -519,7 +520,8 @@ def test_noncoloc(args):
         model.load_state_dict(init)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.Adam(params, lr=args.lr)
-        cfg = reorder_cfg(on, window=2, overlap=True, weight=0.0)
+        # grid 1: "balanced" keeps the natural order (nothing to balance); lpt permutes, exercising the bridge
+        cfg = reorder_cfg(on, window=2, overlap=True, weight=0.0, balancer="lpt")
         sampler = CanonicalBatchSampler(len(ds), B, dp=1, rank=0, grid=1, mode="cyclic", seed=args.seed)
         fields = rm.fields_to_load(module, 0, cfg)
         it = rm.wrap(rank_source(ds, sampler, fields, device), config=cfg, module=module, grids=grids,
