@@ -35,10 +35,11 @@ class ReorderConfig:
     image_token_id: int = 248056
     vision_start_token_id: int = 248053
     spatial_merge_size: int = 2
+    shadow: bool = False  # plan and report per window, move nothing (WindowExchanger(shadow=True))
 
     def __post_init__(self):
         for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
-                     "megatron_mimo_reorder_overlap"):
+                     "megatron_mimo_reorder_overlap", "shadow"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.megatron_mimo_intra_microbatch_reorder and not self.megatron_mimo_scalable_dp:
@@ -146,6 +147,8 @@ def add_reorder_args(parser: argparse.ArgumentParser):
                    default=d.window_size, help="micro-batches balanced by one exchange")
     g.add_argument("--reorder-balancer", dest="balancer", default=d.balancer,
                    help=f"assignment algorithm, one of {sorted(BALANCERS)}")
+    g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
+                   help="plan and log what reordering would do, move nothing")
     return g
 
 

@@ -27,7 +27,8 @@ from reorder.routes import window_routes
 
 MAGIC = 0x52454F52  # "REOR"
 HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
-          "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size")
+          "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size",
+          "shadow")
 TEXT_BYTES = 1024
 COLS = 5  # placeholders, real tokens, images, patch rows, list bytes
 
@@ -52,6 +53,7 @@ class WindowReport:
     exchange_ms: float
     stage_ms: dict | None = None  # prepare, gather, plan, pack, all_to_all, assemble (see profile_stages)
     gated_slots: int = 0  # slots kept in natural order by the cost-benefit gate
+    shadow: bool = False  # planned and reported only: nothing moved, micro-batches returned as given
 
     @property
     def max_before(self) -> float:
@@ -94,13 +96,15 @@ class WindowExchanger:
 
     grid: this rank's place (G, dp, rank); global_batch: B; cost: the cost model; balancer: name;
     window_size: most slots per window (metadata is sized for it); collectives: the module's DP
-    group (None only when dp == 1); batch_dims: overrides of per-field batch dims.
+    group (None only when dp == 1); batch_dims: overrides of per-field batch dims; device: where
+    payloads go (counts are taken where the batch lives); min_gain: cost-benefit gate; shadow: plan
+    and report what reordering would do (WindowReport) but return the micro-batches unchanged.
     """
 
     def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "balanced",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
                  device: torch.device | str | None = None, profile_stages: bool = False,
-                 min_gain: float | None = None):
+                 min_gain: float | None = None, shadow: bool = False):
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -117,6 +121,7 @@ class WindowExchanger:
         if min_gain is not None and not 0 <= min_gain < 1:
             raise ValueError(f"min_gain={min_gain!r} is invalid: the relative gain threshold must be in [0, 1)")
         self.min_gain = min_gain  # cost-benefit gate (plan.gate_orders); None = always use the plan
+        self.shadow = bool(shadow)  # plan and report, move nothing (must match across the DP group)
         self.local_batch = global_batch // grid.dp
 
     # ---- local part -------------------------------------------------------------------------
@@ -168,7 +173,7 @@ class WindowExchanger:
         return [MAGIC, int(error), slots, self.global_batch, self.grid.groups, self.grid.dp,
                 _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), c.spatial_merge_size, c.image_token_id,
                 c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
-                self.window_size]
+                self.window_size, int(self.shadow)]
 
     def _check(self, gathered: torch.Tensor):
         """Raise the same ReorderError on every rank if any rank failed or configs differ."""
@@ -257,6 +262,8 @@ class WindowExchanger:
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         mark("plan")
         flat = counts.reshape(W * B, COLS)
+        if self.shadow:
+            return batches, self._report(layout, flat, costs, orders, gated, 0, plan_ms, t0, marks)
 
         def piece_sizes(natural_ids):
             """[W] packed bytes of the samples `natural_ids` (flat slot*B + j), per slot."""
@@ -308,16 +315,20 @@ class WindowExchanger:
                 raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
             out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
         mark("assemble")
+        return out, self._report(layout, flat, costs, orders, gated, int(len(send)), plan_ms, t0, marks)
+
+    def _report(self, layout, flat, costs, orders, gated, sent_bytes, plan_ms, t0, marks):
+        """The window's figures; module-wide moves from the plan (what would move, in shadow mode)."""
+        dp = self.grid.dp
+        moved = orders_moved(orders, dp)
         sample_bytes = (layout.dense_sample_bytes + flat[:, 3] * layout.row_bytes + flat[:, 2] * layout.image_bytes
                         + flat[:, 4])
-        report = WindowReport(slots=W, orders=orders, loads_before=rank_loads(costs, None, dp),
-                              loads_after=rank_loads(costs, orders, dp), moved_samples=int(moved.sum()),
-                              total_samples=W * B, moved_bytes=int(sample_bytes[moved.reshape(-1)].sum()),
-                              sent_bytes=int(len(send)), plan_ms=plan_ms,
-                              exchange_ms=(time.perf_counter() - t0) * 1e3,
-                              stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])},
-                              gated_slots=int(gated.sum()))
-        return out, report
+        return WindowReport(slots=len(orders), orders=orders, loads_before=rank_loads(costs, None, dp),
+                            loads_after=rank_loads(costs, orders, dp), moved_samples=int(moved.sum()),
+                            total_samples=orders.size, moved_bytes=int(sample_bytes[moved.reshape(-1)].sum()),
+                            sent_bytes=sent_bytes, plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
+                            stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])},
+                            gated_slots=int(gated.sum()), shadow=self.shadow)
 
     def _local(self, batches, local, t0):
         layout, shards, counts = local
@@ -326,13 +337,13 @@ class WindowExchanger:
         costs = self.cost.costs(counts[..., 0], counts[..., 1])
         orders, gated = self._plan(costs)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
-        out = [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))
-               for s, (batch, (shard, _)) in enumerate(zip(batches, shards))]
+        out = batches if self.shadow else [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))
+                                           for s, (batch, (shard, _)) in enumerate(zip(batches, shards))]
         report = WindowReport(slots=len(batches), orders=orders, loads_before=rank_loads(costs, None, 1),
                               loads_after=rank_loads(costs, orders, 1), moved_samples=0,
                               total_samples=counts.shape[0] * counts.shape[1], moved_bytes=0, sent_bytes=0,
                               plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
-                              gated_slots=int(gated.sum()))
+                              gated_slots=int(gated.sum()), shadow=self.shadow)
         return out, report
 
 

@@ -122,3 +122,15 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(self.err(check_model_layout, **{**ok, "language_dp": 3}), """language_dp=3 is not a multiple of encoder_dp=2: each encoder replica must feed a whole number of language replicas""")
         self.assertExpectedInline(self.err(check_model_layout, **{**ok, "fixed_width_padding": False}), """fixed_width_padding=False: reorder concatenates samples from other ranks, so every sample must be padded to the same fixed sequence length; pad to the configured seq_length instead of the longest in the batch""")
         self.assertExpectedInline(self.err(check_model_layout, **{**ok, "language_dp": 0}), """language_dp=0: must be an integer >= 1""")
+
+
+def test_shadow_flag_round_trip():
+    import argparse
+
+    from reorder.config import ReorderConfig, add_reorder_args
+    p = argparse.ArgumentParser()
+    add_reorder_args(p)
+    assert ReorderConfig.from_args(p.parse_args(["--intra-microbatch-reorder", "--reorder-shadow"])).shadow is True
+    assert ReorderConfig().shadow is False
+    with pytest.raises(ValueError, match="shadow='yes': must be a bool"):
+        ReorderConfig(shadow="yes")

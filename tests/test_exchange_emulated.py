@@ -145,3 +145,24 @@ def test_data_source_error_is_shared_with_its_text():
         return ex.exchange([shares[r]] if r == 0 else [], error=None if r == 0 else OSError("disk gone"))
     out = run_emulated(2, fn, timeout=20, return_exceptions=True)
     assert [str(e) for e in out] == ["reorder failed on rank 1: data source raised OSError: disk gone"] * 2
+
+
+def test_shadow_mode_plans_and_reports_but_moves_nothing():
+    batches = windows_for(21, 8, 2)
+
+    def fn(r, coll, shadow=True):
+        kw = dict(grid=Grid(groups=4, dp=4, rank=r), global_batch=8, cost=COST, window_size=2, collectives=coll)
+        real = WindowExchanger(**kw).exchange([syn.rank_share(g, 4, r) for g in batches])[1]
+        mine = [syn.rank_share(g, 4, r) for g in batches]
+        out, rep = WindowExchanger(shadow=True, **kw).exchange(mine)
+        return real, mine, out, rep
+    for real, mine, out, rep in run_emulated(4, fn):
+        assert out is mine or all(o is m for o, m in zip(out, mine))  # returned untouched
+        assert rep.shadow and rep.sent_bytes == 0
+        assert rep.orders.tolist() == real.orders.tolist()  # the same plan the real exchange used
+        assert (rep.moved_samples, rep.moved_bytes) == (real.moved_samples, real.moved_bytes) > (0, 0)
+        assert np.array_equal(rep.loads_after, real.loads_after)
+    # shadow on some ranks only would misalign modules: every rank raises instead
+    shares = _shares(2)
+    out = _run(2, lambda r: [shares[r]], lambda r: {"shadow": r == 0})
+    assert [str(e) for e in out] == ["config mismatch across the DP group: shadow is 1 on ranks [0], 0 on ranks [1]"] * 2
