@@ -1,7 +1,10 @@
 """Per-sample cost from fields identical on every module and PP stage (input_ids, attention_mask).
 
-cost = encoder_weight * placeholders * spatial_merge_size**2 + language_weight * real_tokens.
-Never the padded length, never grid_thw or pixels (absent on language ranks).
+cost = encoder_weight * patches + encoder_quadratic_weight * sum over images of patches**2
+       + language_weight * real_tokens + language_quadratic_weight * real_tokens**2,
+patches = image placeholders * spatial_merge_size**2; an image is one run of consecutive placeholder
+tokens in input_ids (full-attention ViTs cost ~ patches**2 per image). Never the padded length,
+never grid_thw or pixels (absent on language ranks).
 """
 
 from __future__ import annotations
@@ -15,20 +18,23 @@ import torch
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostModel:
-    """Weights and token ids of the linear cost model; validated on construction."""
+    """Weights and token ids of the cost model; validated on construction."""
 
     encoder_weight: float = 1.0
     language_weight: float = 0.0
+    encoder_quadratic_weight: float = 0.0
+    language_quadratic_weight: float = 0.0
     image_token_id: int = 248056
     vision_start_token_id: int = 248053
     spatial_merge_size: int = 2
 
     def __post_init__(self):
-        for name in ("encoder_weight", "language_weight"):
+        for name in ("encoder_weight", "language_weight", "encoder_quadratic_weight", "language_quadratic_weight"):
             w = getattr(self, name)
             if not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name}={w!r} is invalid: cost weights must be finite and >= 0")
-        if self.encoder_weight == 0 and self.language_weight == 0:
+        if not (self.encoder_weight or self.language_weight or self.encoder_quadratic_weight
+                or self.language_quadratic_weight):
             raise ValueError("encoder_weight=0 and language_weight=0: at least one cost weight must be > 0")
         if not isinstance(self.spatial_merge_size, int) or self.spatial_merge_size < 1:
             raise ValueError(f"spatial_merge_size={self.spatial_merge_size!r} is invalid: must be an integer >= 1")
@@ -40,9 +46,12 @@ class CostModel:
         placeholders = (input_ids == self.image_token_id).sum(dim=1)
         images = (input_ids == self.vision_start_token_id).sum(dim=1)
         if attention_mask is None:
-            if self.language_weight > 0:
-                raise ValueError(f"attention_mask is missing but language_weight={self.language_weight}: "
-                                 "load attention_mask on every rank or set language_weight=0")
+            if self.language_weight > 0 or self.language_quadratic_weight > 0:
+                which = f"language_weight={self.language_weight}"
+                if self.language_quadratic_weight:
+                    which += f", language_quadratic_weight={self.language_quadratic_weight}"
+                raise ValueError(f"attention_mask is missing but {which}: load attention_mask on every rank or "
+                                 "set the language cost weights to 0")
             real = torch.zeros_like(placeholders)
         else:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0]:
@@ -52,10 +61,30 @@ class CostModel:
         counts = torch.stack([placeholders, real.to(placeholders.dtype), images]).cpu()  # one host sync
         return counts[0], counts[1], counts[2]
 
-    def costs(self, placeholders, real_tokens) -> np.ndarray:
+    def square_patches(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [B] on CPU: sum over the sample's images (runs of placeholder tokens) of patches**2."""
+        b, s = input_ids.shape
+        m = (input_ids == self.image_token_id).to(torch.int8)
+        flat = torch.cat([m, torch.zeros(b, 1, dtype=torch.int8, device=m.device)], 1).reshape(-1)
+        edges = torch.diff(flat, prepend=flat.new_zeros(1))
+        starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
+        patches = (ends - starts) * (self.spatial_merge_size ** 2)
+        out = torch.zeros(b, dtype=torch.int64, device=m.device)
+        out.index_add_(0, starts // (s + 1), patches * patches)
+        return out.cpu()
+
+    def costs(self, placeholders, real_tokens, square_patches=None) -> np.ndarray:
         """float64 [B] costs from integer counts (array-like); same bits on every rank."""
         p = np.asarray(placeholders, dtype=np.float64)
         r = np.asarray(real_tokens, dtype=np.float64)
         merge2 = float(self.spatial_merge_size * self.spatial_merge_size)
-        return self.encoder_weight * (p * merge2) + self.language_weight * r if self.language_weight \
-            else self.encoder_weight * (p * merge2)
+        cost = self.encoder_weight * (p * merge2)
+        if self.encoder_quadratic_weight:
+            if square_patches is None:
+                raise ValueError("encoder_quadratic_weight > 0 needs square_patches (CostModel.square_patches)")
+            cost = cost + self.encoder_quadratic_weight * np.asarray(square_patches, dtype=np.float64)
+        if self.language_weight:
+            cost = cost + self.language_weight * r
+        if self.language_quadratic_weight:
+            cost = cost + self.language_quadratic_weight * (r * r)
+        return cost

@@ -27,10 +27,11 @@ from reorder.routes import window_routes
 
 MAGIC = 0x52454F52  # "REOR"
 HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
+          "encoder_quadratic_weight", "language_quadratic_weight",
           "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size",
           "shadow")
 TEXT_BYTES = 1024
-COLS = 5  # placeholders, real tokens, images, patch rows, list bytes
+COLS = 6  # placeholders, real tokens, images, patch rows, list bytes, sum of per-image patches**2
 
 
 class ReorderError(ValueError):
@@ -159,7 +160,8 @@ class WindowExchanger:
             lb = torch.tensor([len(x) for x in blobs], dtype=torch.int64)
             layouts.append(layout)
             shards.append((shard, blobs))
-            counts.append(torch.stack([placeholders, real, images, rows, lb], dim=1))
+            sq = self.cost.square_patches(ids) if self.cost.encoder_quadratic_weight else torch.zeros_like(lb)
+            counts.append(torch.stack([placeholders, real, images, rows, lb, sq], dim=1))
         return layouts[0], shards, torch.stack(counts)
 
     def _plan(self, costs):
@@ -171,7 +173,8 @@ class WindowExchanger:
     def _header(self, error: bool, slots: int, layout_text: str) -> list:
         c = self.cost
         return [MAGIC, int(error), slots, self.global_batch, self.grid.groups, self.grid.dp,
-                _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), c.spatial_merge_size, c.image_token_id,
+                _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), _f64_bits(c.encoder_quadratic_weight),
+                _f64_bits(c.language_quadratic_weight), c.spatial_merge_size, c.image_token_id,
                 c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
                 self.window_size, int(self.shadow)]
 
@@ -199,7 +202,7 @@ class WindowExchanger:
                     detail = "; ".join(f"ranks {[q for q, v in enumerate(col) if v == k]}: {s}" for k, s in sigs.items())
                     raise ReorderError(f"batch layout differs across ranks (fields, dtypes and per-sample shapes "
                                        f"must match: pad to a fixed sequence length): {detail}")
-                if name in ("encoder_weight", "language_weight"):
+                if name.endswith("_weight"):
                     col = [struct.unpack("<d", struct.pack("<q", v))[0] for v in col]
                 if name == "balancer":
                     col = [f"crc32:{v:08x}" for v in col]
@@ -256,7 +259,7 @@ class WindowExchanger:
         counts = gathered[:, len(HEADER) + TEXT_BYTES // 8:].reshape(dp, self.window_size, b, COLS)[:, :W]
         counts = counts.permute(1, 0, 2, 3).reshape(W, B, COLS).numpy()  # natural order per slot
         t_plan = time.perf_counter()
-        costs = self.cost.costs(counts[..., 0], counts[..., 1])
+        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5])
         orders, gated = self._plan(costs)
         routes = window_routes(orders, dp, self.grid.rank)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
@@ -334,7 +337,7 @@ class WindowExchanger:
         layout, shards, counts = local
         counts = counts.numpy()
         t_plan = time.perf_counter()
-        costs = self.cost.costs(counts[..., 0], counts[..., 1])
+        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5])
         orders, gated = self._plan(costs)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         out = batches if self.shadow else [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))

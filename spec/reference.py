@@ -42,19 +42,30 @@ def natural_rank(index, batch, dp):
 
 
 def sample_cost(input_ids_row, attention_row, *, image_token_id, spatial_merge_size,
-                encoder_weight, language_weight):
-    """encoder_weight * placeholders * merge^2 + language_weight * real tokens, for one sample."""
-    placeholders = 0
-    for t in input_ids_row:
+                encoder_weight, language_weight, encoder_quadratic_weight=0.0, language_quadratic_weight=0.0):
+    """encoder_weight * patches + encoder_quadratic_weight * sum of per-image patches^2
+    + language_weight * real tokens + language_quadratic_weight * real tokens^2, for one sample
+    (patches = placeholders * merge^2; one image = one run of consecutive placeholder tokens)."""
+    merge2 = spatial_merge_size * spatial_merge_size
+    placeholders, runs, run = 0, [], 0
+    for t in list(input_ids_row) + [None]:
         if t == image_token_id:
             placeholders += 1
-    cost = encoder_weight * (placeholders * spatial_merge_size * spatial_merge_size)
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    cost = encoder_weight * float(placeholders * merge2)
+    if encoder_quadratic_weight != 0:
+        cost = cost + encoder_quadratic_weight * float(sum((k * merge2) ** 2 for k in runs))
+    real = 0
+    for m in attention_row or []:
+        if m:
+            real += 1
     if language_weight != 0:
-        real = 0
-        for m in attention_row:
-            if m:
-                real += 1
-        cost = cost + language_weight * real
+        cost = cost + language_weight * float(real)
+    if language_quadratic_weight != 0:
+        cost = cost + language_quadratic_weight * float(real * real)
     return float(cost)
 
 

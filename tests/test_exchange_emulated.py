@@ -166,3 +166,23 @@ def test_shadow_mode_plans_and_reports_but_moves_nothing():
     shares = _shares(2)
     out = _run(2, lambda r: [shares[r]], lambda r: {"shadow": r == 0})
     assert [str(e) for e in out] == ["config mismatch across the DP group: shadow is 1 on ranks [0], 0 on ranks [1]"] * 2
+
+
+def test_quadratic_vision_cost_drives_the_plan_on_every_rank():
+    from spec import reference as ref
+    batches = windows_for(13, 8, 2)
+    cost = CostModel(encoder_weight=1.0, encoder_quadratic_weight=1e-3)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), global_batch=8, cost=cost, balancer="lpt",
+                             window_size=2, collectives=coll)
+        return ex.exchange([syn.rank_share(g, 4, r) for g in batches])
+    res = run_emulated(4, fn)
+    for s, g in enumerate(batches):
+        costs = [ref.sample_cost(g["input_ids"][i].tolist(), None, image_token_id=syn.IMAGE_TOKEN, spatial_merge_size=2,
+                                 encoder_weight=1.0, language_weight=0.0, encoder_quadratic_weight=1e-3)
+                 for i in range(8)]
+        want = ref.lpt_order(costs, 4)
+        assert all(rep.orders[s].tolist() == want for _, rep in res)
+        held = [i for out, _ in res for i in out[s]["sample_id"].tolist()]
+        assert held == [g["sample_id"].tolist()[i] for i in want]

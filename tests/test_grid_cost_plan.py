@@ -1,6 +1,7 @@
 """Grid, cost and plan against the spec, golden facts and error messages."""
 
 import numpy as np
+import pytest
 import torch
 from expecttest import TestCase
 from hypothesis import given
@@ -47,7 +48,7 @@ class Golden(TestCase):
         self.assertExpectedInline(str(e.exception), """encoder_weight=0 and language_weight=0: at least one cost weight must be > 0""")
         with self.assertRaises(ValueError) as e:
             CostModel(language_weight=0.5).token_counts(torch.zeros(2, 4, dtype=torch.long), None)
-        self.assertExpectedInline(str(e.exception), """attention_mask is missing but language_weight=0.5: load attention_mask on every rank or set language_weight=0""")
+        self.assertExpectedInline(str(e.exception), """attention_mask is missing but language_weight=0.5: load attention_mask on every rank or set the language cost weights to 0""")
         with self.assertRaises(ValueError) as e:
             CostModel().token_counts(torch.zeros(4, dtype=torch.long), None)
         self.assertExpectedInline(str(e.exception), """input_ids has shape (4,): expected [B, S]""")
@@ -100,3 +101,30 @@ def test_plan_equal_count_and_loads(gc):
         assert sorted(orders[s].tolist()) == list(range(len(costs)))  # I3/I6: a permutation
         want = ref.group_loads(c[s].tolist(), orders[s].tolist(), groups)
         assert np.allclose(rank_loads(c[s:s + 1], orders[s:s + 1], groups)[0], want)
+
+
+@given(st.integers(1, 5), st.integers(1, 30), st.floats(0, 2), st.floats(0, 1e-3), st.floats(0, 2),
+       st.floats(0, 1e-3), st.integers(1, 3), st.data())
+def test_quadratic_cost_matches_spec(b, s, ew, eq, lw, lq, merge, data):
+    if not (ew or eq or lw or lq):
+        ew = 1.0
+    ids = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([5, 7, 7, 9]), min_size=s, max_size=s),
+                                          min_size=b, max_size=b)))
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=s, max_size=s), min_size=b, max_size=b)))
+    m = CostModel(encoder_weight=ew, language_weight=lw, encoder_quadratic_weight=eq, language_quadratic_weight=lq,
+                  image_token_id=7, vision_start_token_id=9, spatial_merge_size=merge)
+    p, r, _ = m.token_counts(ids, mask)
+    got = m.costs(p.numpy(), r.numpy(), m.square_patches(ids).numpy())
+    want = [ref.sample_cost(ids[i].tolist(), mask[i].tolist(), image_token_id=7, spatial_merge_size=merge,
+                            encoder_weight=ew, language_weight=lw, encoder_quadratic_weight=eq,
+                            language_quadratic_weight=lq) for i in range(b)]
+    assert got.tolist() == want  # bit-exact, runs of placeholders = images
+
+
+def test_quadratic_cost_golden():
+    # two images of 2 and 3 placeholders (merge 2: 8 and 12 patches) -> 8^2 + 12^2 = 208
+    ids = torch.tensor([[7, 7, 5, 7, 7, 7], [5, 5, 5, 5, 5, 5]])
+    m = CostModel(encoder_weight=0.0, encoder_quadratic_weight=1.0, image_token_id=7, vision_start_token_id=9)
+    assert m.square_patches(ids).tolist() == [208, 0]
+    with pytest.raises(ValueError, match="needs square_patches"):
+        m.costs([5, 0], [0, 0])
