@@ -36,6 +36,8 @@ class ReorderConfig:
     vision_start_token_id: int = 248053
     spatial_merge_size: int = 2
     shadow: bool = False  # plan and report per window, move nothing (WindowExchanger(shadow=True))
+    encoder_quadratic_weight: float = 0.0  # cost per (patches of one image)**2 (full-attention ViT)
+    language_quadratic_weight: float = 0.0  # cost per real_tokens**2
 
     def __post_init__(self):
         for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
@@ -47,7 +49,8 @@ class ReorderConfig:
                              "megatron_mimo_scalable_dp=True: reordering balances the 1/dp shares of "
                              "scalable reads; set both (flag --intra-microbatch-reorder does)")
         for name in ("megatron_mimo_reorder_encoder_cost_weight",
-                     "megatron_mimo_reorder_language_cost_weight"):
+                     "megatron_mimo_reorder_language_cost_weight", "encoder_quadratic_weight",
+                     "language_quadratic_weight"):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name}={w!r}: must be a finite number >= 0")
@@ -94,7 +97,7 @@ class ReorderConfig:
     @property
     def needs_attention_mask(self) -> bool:
         """The language cost counts real tokens, so every rank must load attention_mask."""
-        return self.language_weight > 0
+        return self.language_weight > 0 or self.language_quadratic_weight > 0
 
     # -- builders ------------------------------------------------------------------------------
     @classmethod
@@ -147,6 +150,10 @@ def add_reorder_args(parser: argparse.ArgumentParser):
                    default=d.window_size, help="micro-batches balanced by one exchange")
     g.add_argument("--reorder-balancer", dest="balancer", default=d.balancer,
                    help=f"assignment algorithm, one of {sorted(BALANCERS)}")
+    g.add_argument("--reorder-encoder-quadratic-weight", dest="encoder_quadratic_weight", type=float,
+                   default=d.encoder_quadratic_weight, help="cost per (patches of one image)^2")
+    g.add_argument("--reorder-language-quadratic-weight", dest="language_quadratic_weight", type=float,
+                   default=d.language_quadratic_weight, help="cost per (real tokens)^2")
     g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
     return g

@@ -255,6 +255,8 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     rg = build_groups(groups, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
     cost = CostModel(encoder_weight=cfg.encoder_weight, language_weight=cfg.language_weight,
+                     encoder_quadratic_weight=cfg.encoder_quadratic_weight,
+                     language_quadratic_weight=cfg.language_quadratic_weight,
                      image_token_id=cfg.image_token_id, vision_start_token_id=cfg.vision_start_token_id,
                      spatial_merge_size=cfg.spatial_merge_size)
     ex = WindowExchanger(grid=rg.grid, global_batch=global_batch, cost=cost, balancer=cfg.balancer,
