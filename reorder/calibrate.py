@@ -1,0 +1,85 @@
+"""Calibrate the cost model from measured per-rank step times (least squares, non-negative).
+
+Log, for each rank and step, the features of the micro-batch that rank ran (`micro_batch_features`)
+and its measured compute time; `fit_cost_weights` fits time ~ intercept + sum_k w_k * feature_k
+with w_k >= 0 and reports the fit quality (R^2, RMS residual). `Fit.cost_model()` turns the weights
+into a CostModel (the intercept is a per-step constant: it cannot be balanced away and is dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from reorder.cost import CostModel
+
+FEATURES = ("patches", "square_patches", "tokens", "square_tokens")
+
+
+def micro_batch_features(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                         cost: CostModel | None = None) -> np.ndarray:
+    """float64 [4]: summed patches, per-image patches^2, real tokens and tokens^2 of one micro-batch."""
+    cost = cost or CostModel()
+    p, r, _ = CostModel(encoder_weight=1.0, image_token_id=cost.image_token_id,
+                        vision_start_token_id=cost.vision_start_token_id,
+                        spatial_merge_size=cost.spatial_merge_size).token_counts(input_ids, attention_mask)
+    sq = cost.square_patches(input_ids)
+    merge2 = cost.spatial_merge_size ** 2
+    r = r.to(torch.float64)
+    return np.array([float(p.sum()) * merge2, float(sq.sum()), float(r.sum()), float((r * r).sum())])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fit:
+    """Fitted non-negative weights (time units per feature unit), intercept, and fit quality."""
+
+    weights: dict
+    intercept: float
+    r2: float
+    rms_residual: float
+    samples: int
+
+    def cost_model(self, **kwargs) -> CostModel:
+        w = self.weights
+        return CostModel(encoder_weight=w.get("patches", 0.0), encoder_quadratic_weight=w.get("square_patches", 0.0),
+                         language_weight=w.get("tokens", 0.0), language_quadratic_weight=w.get("square_tokens", 0.0),
+                         **kwargs)
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    try:
+        from scipy.optimize import nnls
+    except ImportError:  # active set by refitting without the columns that went negative
+        keep = np.ones(a.shape[1], dtype=bool)
+        while True:
+            x = np.zeros(a.shape[1])
+            x[keep] = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
+            neg = keep & (x < 0)
+            if not neg.any():
+                return x
+            keep &= ~neg
+    return nnls(a, y)[0]
+
+
+def fit_cost_weights(features, times, *, names=FEATURES, intercept: bool = True) -> Fit:
+    """Fit times[i] ~ c + features[i] @ w with w >= 0 (and c >= 0). features: [n, k]; times: [n]."""
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(times, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] != y.shape[0] or x.shape[1] != len(names):
+        raise ValueError(f"features has shape {x.shape} and times {y.shape}: expected [n, {len(names)}] and [n]")
+    if x.shape[0] < x.shape[1] + int(intercept):
+        raise ValueError(f"{x.shape[0]} measurements cannot determine {x.shape[1] + int(intercept)} parameters")
+    scale = np.where(x.max(axis=0) > 0, x.max(axis=0), 1.0)  # conditioning: patches^2 is ~1e8
+    a = x / scale
+    if intercept:
+        a = np.hstack([a, np.ones((len(y), 1))])
+    sol = _nnls(a, y)
+    pred = a @ sol
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    w = sol[:x.shape[1]] / scale
+    return Fit(weights=dict(zip(names, w.tolist())), intercept=float(sol[-1]) if intercept else 0.0,
+               r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0, rms_residual=float(np.sqrt(ss_res / len(y))),
+               samples=len(y))
