@@ -36,12 +36,13 @@ class ReorderConfig:
     vision_start_token_id: int = 248053
     spatial_merge_size: int = 2
     shadow: bool = False  # plan and report per window, move nothing (WindowExchanger(shadow=True))
+    cross_slot: bool = False  # balance over the whole window (valid only with window-level loss normalization)
     encoder_quadratic_weight: float = 0.0  # cost per (patches of one image)**2 (full-attention ViT)
     language_quadratic_weight: float = 0.0  # cost per real_tokens**2
 
     def __post_init__(self):
         for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
-                     "megatron_mimo_reorder_overlap", "shadow"):
+                     "megatron_mimo_reorder_overlap", "shadow", "cross_slot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.megatron_mimo_intra_microbatch_reorder and not self.megatron_mimo_scalable_dp:
@@ -154,6 +155,9 @@ def add_reorder_args(parser: argparse.ArgumentParser):
                    default=d.encoder_quadratic_weight, help="cost per (patches of one image)^2")
     g.add_argument("--reorder-language-quadratic-weight", dest="language_quadratic_weight", type=float,
                    default=d.language_quadratic_weight, help="cost per (real tokens)^2")
+    g.add_argument("--reorder-cross-slot", dest="cross_slot", action="store_true",
+                   help="balance over the W micro-batches of a window (samples may change micro-batch; only "
+                        "with one optimizer step per window and loss normalized over the global batch)")
     g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
     return g

@@ -29,7 +29,7 @@ MAGIC = 0x52454F52  # "REOR"
 HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
           "encoder_quadratic_weight", "language_quadratic_weight",
           "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size",
-          "shadow")
+          "shadow", "cross_slot")
 TEXT_BYTES = 1024
 COLS = 6  # placeholders, real tokens, images, patch rows, list bytes, sum of per-image patches**2
 
@@ -99,13 +99,14 @@ class WindowExchanger:
     window_size: most slots per window (metadata is sized for it); collectives: the module's DP
     group (None only when dp == 1); batch_dims: overrides of per-field batch dims; device: where
     payloads go (counts are taken where the batch lives); min_gain: cost-benefit gate; shadow: plan
-    and report what reordering would do (WindowReport) but return the micro-batches unchanged.
+    and report what reordering would do (WindowReport) but return the micro-batches unchanged;
+    cross_slot: plan one equal-count assignment over the window's W x G (slot, group) cells.
     """
 
     def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "balanced",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
                  device: torch.device | str | None = None, profile_stages: bool = False,
-                 min_gain: float | None = None, shadow: bool = False):
+                 min_gain: float | None = None, shadow: bool = False, cross_slot: bool = False):
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -123,6 +124,10 @@ class WindowExchanger:
             raise ValueError(f"min_gain={min_gain!r} is invalid: the relative gain threshold must be in [0, 1)")
         self.min_gain = min_gain  # cost-benefit gate (plan.gate_orders); None = always use the plan
         self.shadow = bool(shadow)  # plan and report, move nothing (must match across the DP group)
+        # opt-in: balance over the whole window (samples may change micro-batch; still B/dp per rank
+        # per slot). Valid only when the optimizer steps once per window and the loss is normalized
+        # over the whole global batch, never per micro-batch (see README).
+        self.cross_slot = bool(cross_slot)
         self.local_batch = global_batch // grid.dp
 
     # ---- local part -------------------------------------------------------------------------
@@ -165,6 +170,16 @@ class WindowExchanger:
         return layouts[0], shards, torch.stack(counts)
 
     def _plan(self, costs):
+        """Per-slot orders [W, B] (slot-local indices), or with cross_slot one order over the window
+        (entries are flat natural ids slot*B + j, output slot s = row s)."""
+        w, batch = costs.shape
+        if self.cross_slot and w > 1:
+            flat = costs.reshape(1, w * batch)
+            order = plan_orders(flat, self.grid.groups * w, self.balancer)
+            gated = np.zeros(1, dtype=bool)
+            if self.min_gain is not None:
+                order, gated = gate_orders(flat, order, self.grid.groups * w, self.min_gain)
+            return order.reshape(w, batch), np.repeat(gated, w)
         orders = plan_orders(costs, self.grid.groups, self.balancer)
         if self.min_gain is None:
             return orders, np.zeros(len(orders), dtype=bool)
@@ -176,7 +191,7 @@ class WindowExchanger:
                 _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), _f64_bits(c.encoder_quadratic_weight),
                 _f64_bits(c.language_quadratic_weight), c.spatial_merge_size, c.image_token_id,
                 c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
-                self.window_size, int(self.shadow)]
+                self.window_size, int(self.shadow), int(self.cross_slot)]
 
     def _check(self, gathered: torch.Tensor):
         """Raise the same ReorderError on every rank if any rank failed or configs differ."""
@@ -261,12 +276,17 @@ class WindowExchanger:
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5])
         orders, gated = self._plan(costs)
-        routes = window_routes(orders, dp, self.grid.rank)
+        cross = self.cross_slot and W > 1
+        routes = None if cross else window_routes(orders, dp, self.grid.rank)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         mark("plan")
         flat = counts.reshape(W * B, COLS)
         if self.shadow:
             return batches, self._report(layout, flat, costs, orders, gated, 0, plan_ms, t0, marks)
+        if cross:
+            out, sent = self._cross_slot(batches, layout, shards, flat, orders)
+            mark("assemble")
+            return out, self._report(layout, flat, costs, orders, gated, sent, plan_ms, t0, marks)
 
         def piece_sizes(natural_ids):
             """[W] packed bytes of the samples `natural_ids` (flat slot*B + j), per slot."""
@@ -323,15 +343,82 @@ class WindowExchanger:
     def _report(self, layout, flat, costs, orders, gated, sent_bytes, plan_ms, t0, marks):
         """The window's figures; module-wide moves from the plan (what would move, in shadow mode)."""
         dp = self.grid.dp
-        moved = orders_moved(orders, dp)
+        w, batch = orders.shape
+        if self.cross_slot and w > 1:  # a sample moves when its (slot, rank) changes
+            moved = orders_moved(orders.reshape(1, -1), dp * w)
+            after = costs.reshape(-1)[orders.reshape(-1)].reshape(w, dp, batch // dp).sum(axis=2)
+        else:
+            moved = orders_moved(orders, dp)
+            after = rank_loads(costs, orders, dp)
         sample_bytes = (layout.dense_sample_bytes + flat[:, 3] * layout.row_bytes + flat[:, 2] * layout.image_bytes
                         + flat[:, 4])
         return WindowReport(slots=len(orders), orders=orders, loads_before=rank_loads(costs, None, dp),
-                            loads_after=rank_loads(costs, orders, dp), moved_samples=int(moved.sum()),
+                            loads_after=after, moved_samples=int(moved.sum()),
                             total_samples=orders.size, moved_bytes=int(sample_bytes[moved.reshape(-1)].sum()),
                             sent_bytes=sent_bytes, plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
                             stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])},
                             gated_slots=int(gated.sum()), shadow=self.shadow)
+
+    def _cross_slot(self, batches, layout, shards, flat, orders):
+        """Window-level exchange: the window is one batch of W*B samples over V = W*dp virtual ranks
+        (virtual rank s*dp + q = rank q in slot s), so `window_routes` applies unchanged. Every piece
+        virtual v -> v' travels from real rank v % dp to v' % dp (a cross-slot move inside one rank
+        goes through this rank's own all_to_all chunk). Returns (micro-batches, bytes sent)."""
+        dp, r, b = self.grid.dp, self.grid.rank, self.local_batch
+        W, B = orders.shape
+        V = W * dp
+        perm = orders.reshape(1, W * B)
+        mine = [s * dp + r for s in range(W)]
+        rts = {v: window_routes(perm, V, v) for v in mine}
+
+        def size(natural_ids):
+            sel = flat[natural_ids]
+            return int(packing.nbytes(layout, len(sel), int(sel[:, 3].sum()), int(sel[:, 2].sum()), int(sel[:, 4].sum())))
+
+        send_pieces = []  # (dest real rank, src virtual, dest virtual, local idx, size), in wire order
+        for q in range(dp):
+            for v2 in range(q, V, dp):
+                for v in mine:
+                    if v2 != v and len(rts[v].send_index[v2]):
+                        idx = rts[v].send_index[v2]
+                        send_pieces.append((q, v, v2, idx, size(v * b + idx)))
+        recv_pieces = []  # (src real rank, src virtual, dest virtual, natural ids, size), in wire order
+        for q in range(dp):
+            for v2 in mine:
+                for v in range(q, V, dp):
+                    if v != v2 and len(rts[v2].recv_natural[v]):
+                        ids = rts[v2].recv_natural[v]
+                        recv_pieces.append((q, v, v2, ids, size(ids)))
+        device = shards[0][0].dense[("input_ids",)].device
+        send = torch.empty(sum(p[4] for p in send_pieces), dtype=torch.uint8, device=device)
+        off = 0
+        for _, v, _, idx, sz in send_pieces:
+            shard, blobs = shards[v // dp]
+            packing.pack(layout, shard, idx, send[off:off + sz], blobs=blobs)
+            off += sz
+        send_splits = [sum(p[4] for p in send_pieces if p[0] == q) for q in range(dp)]
+        recv_splits = [sum(p[4] for p in recv_pieces if p[0] == q) for q in range(dp)]
+        # same decision on every rank (it depends only on the plan): skip the collective if nothing moves
+        recv = self.collectives.all_to_all(send, send_splits, recv_splits) if self._anyone_moves(orders) else send
+        pieces, off = {}, 0
+        for _, v, v2, ids, sz in recv_pieces:
+            sel = flat[ids]
+            pieces[v, v2] = packing.unpack(layout, recv[off:off + sz], len(sel), torch.from_numpy(sel[:, 3]),
+                                           torch.from_numpy(sel[:, 2]), sel[:, 4])
+            off += sz
+        out = []
+        for s, v2 in enumerate(mine):
+            sources = [shards[s][0]] + [pieces[v, v2] for v in range(V) if v != v2 and (v, v2) in pieces]
+            g = rts[v2].gather[0]
+            if len(np.unique(g)) != b or g.min() < 0 or g.max() >= sum(x.n for x in sources):
+                raise ReorderError(f"rank {r} slot {s}: cross-slot reassembly index is not {b} unique samples")
+            out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
+        return out, int(len(send))
+
+    def _anyone_moves(self, orders) -> bool:
+        """Whether any rank exchanges data (identical on every rank: it depends only on the plan)."""
+        W, B = orders.shape
+        return bool(orders_moved(orders.reshape(1, -1), self.grid.dp * W).any())
 
     def _local(self, batches, local, t0):
         layout, shards, counts = local
@@ -340,10 +427,19 @@ class WindowExchanger:
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5])
         orders, gated = self._plan(costs)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
-        out = batches if self.shadow else [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))
-                                           for s, (batch, (shard, _)) in enumerate(zip(batches, shards))]
+        cross = self.cross_slot and len(batches) > 1
+        if self.shadow:
+            out = batches
+        elif cross:  # orders hold flat ids into the window: take from all local micro-batches
+            every = [shard for shard, _ in shards]
+            out = [rebuild(batch, layout, packing.take(layout, every, orders[s])) for s, batch in enumerate(batches)]
+        else:
+            out = [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))
+                   for s, (batch, (shard, _)) in enumerate(zip(batches, shards))]
+        after = costs.reshape(-1)[orders.reshape(-1)].reshape(orders.shape).sum(axis=1, keepdims=True) if cross \
+            else rank_loads(costs, orders, 1)
         report = WindowReport(slots=len(batches), orders=orders, loads_before=rank_loads(costs, None, 1),
-                              loads_after=rank_loads(costs, orders, 1), moved_samples=0,
+                              loads_after=after, moved_samples=0,
                               total_samples=counts.shape[0] * counts.shape[1], moved_bytes=0, sent_bytes=0,
                               plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
                               gated_slots=int(gated.sum()), shadow=self.shadow)

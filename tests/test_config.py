@@ -132,5 +132,7 @@ def test_shadow_flag_round_trip():
     add_reorder_args(p)
     assert ReorderConfig.from_args(p.parse_args(["--intra-microbatch-reorder", "--reorder-shadow"])).shadow is True
     assert ReorderConfig().shadow is False
+    assert ReorderConfig.from_args(p.parse_args(["--reorder-cross-slot"])).cross_slot is True
+    assert ReorderConfig().cross_slot is False
     with pytest.raises(ValueError, match="shadow='yes': must be a bool"):
         ReorderConfig(shadow="yes")
