@@ -53,8 +53,8 @@ EXCHANGE_COSTS = ("# natural order per slot\n"
 MUTATIONS = [
     # 1. LPT visit order (-cost, -index) instead of (-cost, index): ties broken the wrong way.
     Mutation("lpt tie-break flipped (-cost, -index)", "reorder/balancers.py",
-             "visit = np.lexsort((np.arange(n), -np.asarray(costs, dtype=np.float64)))",
-             "visit = np.lexsort((-np.arange(n), -np.asarray(costs, dtype=np.float64)))"),
+             'visit = np.argsort(-c, kind="stable")  # (-cost, index)',
+             "visit = np.lexsort((-np.arange(len(c)), -c))"),
     # 2a. Reassembly gather of slot s reads the canonical order of slot s-1.
     Mutation("routes gather uses previous slot's order", "reorder/routes.py",
              "nat = orders[s, rank * b:(rank + 1) * b]",

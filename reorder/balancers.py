@@ -34,20 +34,10 @@ def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
     Visit samples by (-cost, index); each goes to the non-full group with the smallest
     (load, group index); canonical order = groups in order, members in insertion order.
     """
-    n = len(costs)
-    cap = n // groups
-    visit = np.lexsort((np.arange(n), -np.asarray(costs, dtype=np.float64)))
-    heap = [(0.0, j) for j in range(groups)]
-    members = np.empty((groups, cap), dtype=np.int64)
-    fill = [0] * groups
-    c = costs.tolist() if isinstance(costs, np.ndarray) else list(costs)
-    for i in visit.tolist():
-        load, j = heapq.heappop(heap)
-        members[j, fill[j]] = i
-        fill[j] += 1
-        if fill[j] < cap:
-            heapq.heappush(heap, (load + c[i], j))
-    return members.reshape(-1)
+    c = np.asarray(costs, dtype=np.float64)
+    visit = np.argsort(-c, kind="stable")  # (-cost, index)
+    grp = np.asarray(_lpt_run(c, groups, visit, True)[1], dtype=np.int64)  # group of visit[k]
+    return visit[np.argsort(grp, kind="stable")].astype(np.int64)  # groups in order, insertion order
 
 
 # --------------------------------------------------------------------------------------------------
