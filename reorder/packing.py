@@ -19,7 +19,8 @@ from reorder.layout import BatchLayout, Shard
 ALIGN = 16
 
 
-def _align(n: int) -> int:
+def _align(n):
+    """Round up to a multiple of ALIGN (ints or int64 arrays)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -94,20 +95,17 @@ def take(layout: BatchLayout, shards: list, index) -> Shard:
 
 def nbytes(layout: BatchLayout, n: int, rows: int, images: int, list_bytes: int) -> int:
     """Packed size of n samples holding `rows` patch rows, `images` images and `list_bytes`."""
-    total = sum(_align(n * f.sample_bytes) for f in layout.dense)
-    total += sum(_align((rows if f.per == "row" else images) * f.entry_bytes) for f in layout.ragged)
-    return total + _align(list_bytes)
+    return int(nbytes_many(layout, n, rows, images, list_bytes))
 
 
 def nbytes_many(layout: BatchLayout, n, rows, images, list_bytes):
     """Vectorized `nbytes` over int64 arrays of equal length."""
     n, rows, images, lb = (np.asarray(x, dtype=np.int64) for x in (n, rows, images, list_bytes))
-    al = lambda x: (x + ALIGN - 1) // ALIGN * ALIGN  # noqa: E731
-    total = al(lb)
+    total = _align(lb)
     for f in layout.dense:
-        total = total + al(n * f.sample_bytes)
+        total = total + _align(n * f.sample_bytes)
     for f in layout.ragged:
-        total = total + al((rows if f.per == "row" else images) * f.entry_bytes)
+        total = total + _align((rows if f.per == "row" else images) * f.entry_bytes)
     return total
 
 
