@@ -281,12 +281,13 @@ class WindowExchanger:
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         mark("plan")
         flat = counts.reshape(W * B, COLS)
+        moved = self._moved(orders)  # the same on every rank: it depends only on the plan
         if self.shadow:
-            return batches, self._report(layout, flat, costs, orders, gated, 0, plan_ms, t0, marks)
+            return batches, self._report(layout, flat, costs, orders, moved, gated, 0, plan_ms, t0, marks)
         if cross:
-            out, sent = self._cross_slot(batches, layout, shards, flat, orders)
+            out, sent = self._cross_slot(batches, layout, shards, flat, orders, moved.any())
             mark("assemble")
-            return out, self._report(layout, flat, costs, orders, gated, sent, plan_ms, t0, marks)
+            return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
 
         def piece_sizes(natural_ids):
             """[W] packed bytes of the samples `natural_ids` (flat slot*B + j), per slot."""
@@ -313,7 +314,6 @@ class WindowExchanger:
                     assert written == size, (written, size)
                 off += size
         mark("pack")
-        moved = orders_moved(orders, dp)
         if moved.any():
             recv = self.collectives.all_to_all(send, [sum(x) for x in send_sizes], [sum(x) for x in recv_sizes])
         else:  # identical decision on every rank: nothing moves anywhere, skip the collective
@@ -338,17 +338,22 @@ class WindowExchanger:
                 raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
             out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
         mark("assemble")
-        return out, self._report(layout, flat, costs, orders, gated, int(len(send)), plan_ms, t0, marks)
+        return out, self._report(layout, flat, costs, orders, moved, gated, int(len(send)), plan_ms, t0, marks)
 
-    def _report(self, layout, flat, costs, orders, gated, sent_bytes, plan_ms, t0, marks):
+    def _moved(self, orders) -> np.ndarray:
+        """bool: which natural samples change rank (with cross_slot: change (slot, rank))."""
+        w = len(orders)
+        if self.cross_slot and w > 1:
+            return orders_moved(orders.reshape(1, -1), self.grid.dp * w)
+        return orders_moved(orders, self.grid.dp)
+
+    def _report(self, layout, flat, costs, orders, moved, gated, sent_bytes, plan_ms, t0, marks):
         """The window's figures; module-wide moves from the plan (what would move, in shadow mode)."""
         dp = self.grid.dp
         w, batch = orders.shape
-        if self.cross_slot and w > 1:  # a sample moves when its (slot, rank) changes
-            moved = orders_moved(orders.reshape(1, -1), dp * w)
+        if self.cross_slot and w > 1:
             after = costs.reshape(-1)[orders.reshape(-1)].reshape(w, dp, batch // dp).sum(axis=2)
         else:
-            moved = orders_moved(orders, dp)
             after = rank_loads(costs, orders, dp)
         sample_bytes = (layout.dense_sample_bytes + flat[:, 3] * layout.row_bytes + flat[:, 2] * layout.image_bytes
                         + flat[:, 4])
@@ -359,7 +364,7 @@ class WindowExchanger:
                             stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])},
                             gated_slots=int(gated.sum()), shadow=self.shadow)
 
-    def _cross_slot(self, batches, layout, shards, flat, orders):
+    def _cross_slot(self, batches, layout, shards, flat, orders, anyone_moves: bool):
         """Window-level exchange: the window is one batch of W*B samples over V = W*dp virtual ranks
         (virtual rank s*dp + q = rank q in slot s), so `window_routes` applies unchanged. Every piece
         virtual v -> v' travels from real rank v % dp to v' % dp (a cross-slot move inside one rank
@@ -399,7 +404,7 @@ class WindowExchanger:
         send_splits = [sum(p[4] for p in send_pieces if p[0] == q) for q in range(dp)]
         recv_splits = [sum(p[4] for p in recv_pieces if p[0] == q) for q in range(dp)]
         # same decision on every rank (it depends only on the plan): skip the collective if nothing moves
-        recv = self.collectives.all_to_all(send, send_splits, recv_splits) if self._anyone_moves(orders) else send
+        recv = self.collectives.all_to_all(send, send_splits, recv_splits) if anyone_moves else send
         pieces, off = {}, 0
         for _, v, v2, ids, sz in recv_pieces:
             sel = flat[ids]
@@ -414,11 +419,6 @@ class WindowExchanger:
                 raise ReorderError(f"rank {r} slot {s}: cross-slot reassembly index is not {b} unique samples")
             out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
         return out, int(len(send))
-
-    def _anyone_moves(self, orders) -> bool:
-        """Whether any rank exchanges data (identical on every rank: it depends only on the plan)."""
-        W, B = orders.shape
-        return bool(orders_moved(orders.reshape(1, -1), self.grid.dp * W).any())
 
     def _local(self, batches, local, t0):
         layout, shards, counts = local
