@@ -20,14 +20,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from reorder import CostModel, ReorderError, WindowExchanger
+from reorder import CostModel, WindowExchanger
 from reorder import synthetic as syn
 from reorder.buffer import ReorderingBuffer
 from reorder.dist import build_groups
+from reorder.checks import check_rank
 from reorder.harness import module_fields
 from spec import invariants as inv
 from spec import reference as ref
-from spec.samples import per_sample_bytes
 
 CASES = ("ok", "source_raises", "bad_input", "lost_peer", "early_end")
 
@@ -112,25 +112,12 @@ def run(args) -> dict:
 def check_own(args, module, grid, outs, buf, cost):
     """I3-I5 on this rank: held samples are the canonical positions of the reference plan, byte-exact."""
     fields = module_fields(module, cost)
-    b = args.micro_batch // grid.dp
     k = 0
     for g in global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features):
         counts = cost.token_counts(g["input_ids"], g["attention_mask"])
         costs = cost.costs(counts[0].numpy(), counts[1].numpy())
         order = ref.lpt_order([float(c) for c in costs], grid.groups) if args.balancer == "lpt" else None
-        got = outs[k]
-        ids = g["sample_id"].tolist()
-        if order is not None:
-            inv.i4_canonical_reassembly([ids[i] for i in order], args.micro_batch, grid.dp,
-                                        [got["sample_id"].tolist() if r == grid.rank else
-                                         [ids[i] for i in order[r * b:(r + 1) * b]] for r in range(grid.dp)])
-        sent = dict(zip(ids, per_sample_bytes(syn.module_view(g, fields), vision_start_token_id=syn.VISION_START)))
-        host = {key: (v.cpu() if isinstance(v, torch.Tensor) else v) for key, v in got.items() if key != "modality_inputs"}
-        if "modality_inputs" in got:
-            vit = got["modality_inputs"]["images"]["vit"]
-            host["modality_inputs"] = {"images": {"vit": {kk: vv.cpu() for kk, vv in vit.items()}}}
-        inv.i5_byte_exact(sent, dict(zip(got["sample_id"].tolist(),
-                                         per_sample_bytes(host, vision_start_token_id=syn.VISION_START))))
+        check_rank(g, outs[k], order, grid.dp, grid.rank, fields=fields, vision_start_token_id=syn.VISION_START)
         k += 1
     assert k == len(outs), f"rank served {len(outs)} micro-batches, source had {k}"
 

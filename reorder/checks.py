@@ -14,6 +14,23 @@ def ids_of(batch) -> list:
     return batch["sample_id"].tolist()
 
 
+def check_rank(global_batch, got, order, dp, rank, *, vision_start_token_id, fields=None):
+    """I3, I4 and I5 for one rank: `got` (its reordered micro-batch of the natural `global_batch`,
+    tensors on any device) holds B/dp samples, exactly its canonical positions under `order`
+    (I4 skipped when order is None), every field byte-exact (only `fields` were loaded)."""
+    gids, held = ids_of(global_batch), ids_of(got)
+    b = len(gids) // dp
+    if len(held) != b:
+        raise inv.InvariantViolation(f"I3 violated: rank {rank} of dp {dp} holds {len(held)} samples, expected {b}")
+    if order is not None:
+        want = [gids[i] for i in list(order)[rank * b:(rank + 1) * b]]
+        if held != want:
+            raise inv.InvariantViolation(f"I4 violated: rank {rank} holds {held}, canonical positions "
+                                         f"[{rank * b},{(rank + 1) * b}) are {want}")
+    sent = dict(zip(gids, per_sample_bytes(_select(global_batch, fields), vision_start_token_id=vision_start_token_id)))
+    inv.i5_byte_exact(sent, dict(zip(held, per_sample_bytes(_to_host(got), vision_start_token_id=vision_start_token_id))))
+
+
 def check_module(global_batches, outputs, orders, dp, *, groups, vision_start_token_id, fields=None):
     """I3-I7 for one module: outputs[rank][slot] are the reordered micro-batches, global_batches[slot]
     the natural global micro-batches, orders[slot] the canonical order every rank used."""
@@ -21,17 +38,20 @@ def check_module(global_batches, outputs, orders, dp, *, groups, vision_start_to
     before, after = [], []
     for s, g in enumerate(global_batches):
         held = [ids_of(outputs[r][s]) for r in range(dp)]
-        gids = ids_of(g)
         inv.i3_equal_count(list(orders[s]), groups, batch, held, dp)
-        inv.i4_canonical_reassembly([gids[i] for i in orders[s]], batch, dp, held)
-        before.append(gids)
-        after.append([i for h in held for i in h])
-        sent = dict(zip(gids, per_sample_bytes(_select(g, fields), vision_start_token_id=vision_start_token_id)))
         for r in range(dp):
-            got = per_sample_bytes(outputs[r][s], vision_start_token_id=vision_start_token_id)
-            inv.i5_byte_exact(sent, dict(zip(ids_of(outputs[r][s]), got)))
+            check_rank(g, outputs[r][s], orders[s], dp, r, vision_start_token_id=vision_start_token_id, fields=fields)
+        before.append(ids_of(g))
+        after.append([i for h in held for i in h])
     inv.i6_nothing_lost(before, after)
     inv.i7_no_cross_slot(before, after)
+
+
+def _to_host(batch):
+    """The batch with every tensor on the CPU (no copy for CPU tensors)."""
+    if isinstance(batch, dict):
+        return {k: _to_host(v) for k, v in batch.items()}
+    return batch.cpu() if hasattr(batch, "cpu") else batch
 
 
 def _select(batch, fields):

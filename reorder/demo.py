@@ -173,9 +173,8 @@ def _rank_main(rank: int, world: int, cfg: dict):
     from reorder.buffer import ReorderingBuffer
     from reorder.dist import build_groups
     from reorder.exchange import WindowExchanger
+    from reorder import checks
     from reorder.harness import module_fields
-    from spec import invariants as inv
-    from spec.samples import per_sample_bytes
 
     out = sys.stderr if cfg["stderr"] else sys.stdout
     dv, dl, B, W = cfg["vision_dp"], cfg["language_dp"], cfg["micro_batch"], cfg["window"]
@@ -209,21 +208,9 @@ def _rank_main(rank: int, world: int, cfg: dict):
                 wait_ms = (time.perf_counter() - t_wait) * 1e3
                 report = buf.last_report
                 window = [pending.popleft() for _ in outs]
-                b = B // grid.dp
                 for s, (g, got) in enumerate(zip(window, outs)):  # I3, I4 (this rank), I5
-                    gids, held = g["sample_id"].tolist(), got["sample_id"].tolist()
-                    order = report.orders[s].tolist()
-                    if len(held) != b:
-                        raise inv.InvariantViolation(f"I3 violated: {module} rank {grid.rank} holds {len(held)} "
-                                                     f"samples, expected {b}")
-                    want = [gids[i] for i in order[grid.rank * b:(grid.rank + 1) * b]]
-                    if held != want:
-                        raise inv.InvariantViolation(f"I4 violated: {module} rank {grid.rank} holds {held}, "
-                                                     f"canonical positions are {want}")
-                    view = syn.module_view(g, fields)
-                    sent = dict(zip(gids, per_sample_bytes(view, vision_start_token_id=cost.vision_start_token_id)))
-                    inv.i5_byte_exact(sent, dict(zip(held, per_sample_bytes(
-                        got, vision_start_token_id=cost.vision_start_token_id))))
+                    checks.check_rank(g, got, report.orders[s], grid.dp, grid.rank, fields=fields,
+                                      vision_start_token_id=cost.vision_start_token_id)
             except Exception as e:  # noqa: BLE001 - shared with every rank below, then all stop together
                 error = f"{module} rank {grid.rank}: {type(e).__name__}: {e}"
                 wait_ms = 0.0
