@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 
 from reorder import megatron as rm
