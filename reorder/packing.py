@@ -39,58 +39,106 @@ def from_bytes(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return u.view(dtype).squeeze(-1)
 
 
-def ragged_index(counts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Entry indices of samples `index` when sample s owns `counts[s]` consecutive entries (CPU int64)."""
-    counts = counts.to(torch.int64)
-    starts = torch.cumsum(counts, 0) - counts
-    sel = counts[index]
-    total = int(sel.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    shift = starts[index] - (torch.cumsum(sel, 0) - sel)
-    return torch.repeat_interleave(shift, sel) + torch.arange(total, dtype=torch.int64)
+def runs(index: np.ndarray) -> list:
+    """Maximal runs of consecutive indices, in order: [(start, stop), ...] (index ascending by one
+    inside a run). A permutation that keeps most samples in place has few runs."""
+    index = np.asarray(index, dtype=np.int64)
+    if len(index) == 0:
+        return []
+    cut = np.flatnonzero(np.diff(index) != 1) + 1
+    starts, stops = np.r_[0, cut], np.r_[cut, len(index)]
+    return list(zip(index[starts].tolist(), (index[stops - 1] + 1).tolist()))
 
 
-class _DeviceCache:
-    """Copies each CPU index tensor to a device once per call (one small H2D copy, not one per field)."""
+class _Source:
+    """One shard seen as uint8 field views (bytes_view, made on first use) and per-sample entry
+    offsets of its ragged fields, so a run of samples becomes one `narrow` per field (no index
+    tensor, no host-to-device copy)."""
 
-    def __init__(self):
-        self._seen = {}
+    def __init__(self, shard: Shard):
+        self.shard, self._bytes, self._starts = shard, {}, {}
 
-    def __call__(self, t: torch.Tensor, device) -> torch.Tensor:
-        if device.type == "cpu":
-            return t
-        key = (id(t), device)
-        if key not in self._seen:
-            self._seen[key] = (t, t.to(device, non_blocking=True))
-        return self._seen[key][1]
+    def field(self, path, ragged: bool) -> torch.Tensor:
+        t = self._bytes.get(path)
+        if t is None:
+            t = self._bytes[path] = bytes_view((self.shard.ragged if ragged else self.shard.dense)[path])
+        return t
+
+    def entries(self, per: str, a: int, b: int) -> tuple:
+        """Entry range (start, length) of samples [a, b) in a per-`per` ragged field."""
+        o = self._starts.get(per)
+        if o is None:
+            counts = self.shard.row_counts if per == "row" else self.shard.image_counts
+            o = self._starts[per] = np.concatenate([[0], np.cumsum(counts.numpy(), dtype=np.int64)])
+        return int(o[a]), int(o[b] - o[a])
+
+
+def _source_runs(sizes: list, index: np.ndarray) -> list:
+    """Runs of `index` (into the concatenation of sources of `sizes` samples) as
+    (source, start, stop) in source-local indices; a run never crosses a source boundary."""
+    bounds = np.cumsum([0] + list(sizes))
+    out = []
+    for a, b in runs(index):
+        while a < b:
+            k = int(np.searchsorted(bounds, a, side="right")) - 1
+            end = min(b, int(bounds[k + 1]))
+            out.append((k, a - int(bounds[k]), end - int(bounds[k])))
+            a = end
+    return out
 
 
 def _cat(tensors, dim):
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
-def take(layout: BatchLayout, shards: list, index) -> Shard:
-    """Samples `index` (into the concatenation of `shards`, in that order) as a new shard."""
-    index = torch.as_tensor(index, dtype=torch.int64)
-    out = Shard(n=len(index))
-    on = _DeviceCache()
-    for f in layout.dense:
-        src = _cat([bytes_view(s.dense[f.path]) for s in shards], f.batch_dim)
-        out.dense[f.path] = from_bytes(src.index_select(f.batch_dim, on(index, src.device)), f.dtype)
-    if layout.ragged:
-        rows = _cat([s.row_counts for s in shards], 0)
-        imgs = _cat([s.image_counts for s in shards], 0)
-        row_idx, img_idx = ragged_index(rows, index), ragged_index(imgs, index)
-        for f in layout.ragged:
-            src = _cat([bytes_view(s.ragged[f.path]) for s in shards], 0)
-            idx = row_idx if f.per == "row" else img_idx
-            out.ragged[f.path] = from_bytes(src.index_select(0, on(idx, src.device)), f.dtype)
-        out.row_counts, out.image_counts = rows[index], imgs[index]
-    if layout.lists:
-        entries = [e for s in shards for e in s.lists]
-        out.lists = [entries[i] for i in index.tolist()]
+def _gather(views: list, dim: int, out: torch.Tensor | None):
+    """Concatenate `views` along `dim` into `out` (or a new tensor); one copy kernel per field."""
+    if out is None:
+        return views[0] if len(views) == 1 else torch.cat(views, dim)
+    if len(views) == 1:
+        out.copy_(views[0])
+    elif views:
+        torch.cat(views, dim, out=out)
     return out
+
+
+def _select(layout: BatchLayout, sources: list, pieces: list, regions=None) -> Shard:
+    """The samples of `pieces` ((source, start, stop) runs over `sources`, a list of _Source) as
+    a new shard; with `regions` (path -> uint8 buffer view of the field's packed shape) the fields
+    are written there instead of to new tensors. A shard taken whole is returned as-is (no copy)."""
+    if regions is None and len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == sources[pieces[0][0]].shard.n:
+        return sources[pieces[0][0]].shard  # taken whole, in order: no copy
+    out = Shard(n=sum(b - a for _, a, b in pieces))
+    for f in layout.dense:
+        views = [sources[k].field(f.path, False).narrow(f.batch_dim, a, b - a) for k, a, b in pieces]
+        if not views:
+            views = [sources[0].field(f.path, False).narrow(f.batch_dim, 0, 0)]
+        got = _gather(views, f.batch_dim, None if regions is None else regions[f.path])
+        out.dense[f.path] = from_bytes(got, f.dtype)
+    if layout.ragged:
+        rows = [sources[k].shard.row_counts[a:b] for k, a, b in pieces]
+        imgs = [sources[k].shard.image_counts[a:b] for k, a, b in pieces]
+        out.row_counts = _cat(rows, 0) if rows else torch.zeros(0, dtype=torch.int64)
+        out.image_counts = _cat(imgs, 0) if imgs else torch.zeros(0, dtype=torch.int64)
+        for f in layout.ragged:
+            spans = [(k, *sources[k].entries(f.per, a, b)) for k, a, b in pieces]
+            views = [sources[k].field(f.path, True).narrow(0, e, ln) for k, e, ln in spans if ln]
+            if not views:
+                views = [sources[0].field(f.path, True).narrow(0, 0, 0)]
+            got = _gather(views, 0, None if regions is None else regions[f.path])
+            out.ragged[f.path] = from_bytes(got, f.dtype)
+    if layout.lists:
+        out.lists = [e for k, a, b in pieces for e in sources[k].shard.lists[a:b]]
+    return out
+
+
+def take(layout: BatchLayout, shards: list, index) -> Shard:
+    """Samples `index` (into the concatenation of `shards`, in that order) as a new shard: one
+    concatenation of contiguous-run views per field; a shard taken whole and in order is returned
+    without a copy."""
+    index = np.asarray(index, dtype=np.int64)
+    sources = [_Source(s) for s in shards]
+    return _select(layout, sources, _source_runs([s.n for s in shards], index))
 
 
 def nbytes(layout: BatchLayout, n: int, rows: int, images: int, list_bytes: int) -> int:
@@ -112,26 +160,21 @@ def nbytes_many(layout: BatchLayout, n, rows, images, list_bytes):
 def pack(layout: BatchLayout, shard: Shard, index, out: torch.Tensor, blobs=None) -> int:
     """Write samples `index` of `shard` into the uint8 buffer `out` (from offset 0); returns bytes
     written. `blobs` are the shard's per-sample pickled list entries (Shard.list_blobs())."""
-    index = torch.as_tensor(index, dtype=torch.int64)
-    n, off = len(index), 0
-    on = _DeviceCache()
+    index = np.asarray(index, dtype=np.int64)
+    src = _Source(shard)
+    pieces = _source_runs([shard.n], index)
+    n, off, regions = len(index), 0, {}
     for f in layout.dense:
-        src = bytes_view(shard.dense[f.path])
-        shape = list(src.shape)
-        shape[f.batch_dim] = n
         size = n * f.sample_bytes
-        region = out[off:off + size].view(shape)
-        torch.index_select(src, f.batch_dim, on(index, src.device), out=region)
+        regions[f.path] = out[off:off + size].view(*f.full_shape(n), f.dtype.itemsize)
         off += _align(size)
     if layout.ragged:
-        idx = {"row": ragged_index(shard.row_counts, index), "image": ragged_index(shard.image_counts, index)}
         for f in layout.ragged:
-            src = bytes_view(shard.ragged[f.path])
-            sel = idx[f.per]
-            size = len(sel) * f.entry_bytes
-            region = out[off:off + size].view(len(sel), *src.shape[1:])
-            torch.index_select(src, 0, on(sel, src.device), out=region)
+            k = sum(src.entries(f.per, a, b)[1] for _, a, b in pieces)
+            size = k * f.entry_bytes
+            regions[f.path] = out[off:off + size].view(k, *f.entry_shape, f.dtype.itemsize)
             off += _align(size)
+    _select(layout, [src], pieces, regions)
     if layout.lists:
         blobs = shard.list_blobs() if blobs is None else blobs
         data = b"".join(blobs[i] for i in index.tolist())
