@@ -71,14 +71,14 @@ MUTATIONS = [
     Mutation("routes arrival order within source reversed", "reorder/routes.py",
              "idx[from_q] = base + np.arange(int(from_q.sum()))",
              "idx[from_q] = base + np.arange(int(from_q.sum()))[::-1]"),
-    # 4a. ragged_index off by one: every sample's rows start one entry late (neighbour's first row).
-    Mutation("packing ragged_index off-by-one", "reorder/packing.py",
-             "starts = torch.cumsum(counts, 0) - counts",
-             "starts = torch.cumsum(counts, 0) - counts + 1"),
-    # 4b. pack() does not pad the dense regions to ALIGN (unpack/nbytes still do); `idx = {` is pack-only.
+    # 4a. ragged entry offsets shifted by one sample: every sample's rows start at its neighbour's.
+    Mutation("packing ragged offsets off-by-one", "reorder/packing.py",
+             "np.concatenate([[0], np.cumsum(counts.numpy(), dtype=np.int64)])",
+             "np.concatenate([[0, 0], np.cumsum(counts.numpy(), dtype=np.int64)[:-1]])"),
+    # 4b. pack() does not pad the dense regions to ALIGN (unpack/nbytes still do); `k = sum(` is pack-only.
     Mutation("packing pack skips ALIGN padding (dense)", "reorder/packing.py",
-             "off += _align(size)\n    if layout.ragged:\n        idx = {",
-             "off += size\n    if layout.ragged:\n        idx = {"),
+             "off += _align(size)\n    if layout.ragged:\n        for f in layout.ragged:\n            k = sum(",
+             "off += size\n    if layout.ragged:\n        for f in layout.ragged:\n            k = sum("),
     # 5a. spatial merge factor not squared.
     Mutation("cost merge factor not squared", "reorder/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",

@@ -62,6 +62,7 @@ _HOME_ROUNDS_LARGE = 1  # on large ones below _HOME_MAX_B samples, and none from
 _HOME_MAX_B = 1024      # one round costs ~0.09 ms and saves ~1% of the samples moved
 _RESPLIT_M = 4       # re-split moves (every partition of two groups' samples) for m up to this
 _RESPLIT_WORK = 12000  # partitions a search may evaluate in re-splits (bounds their time)
+_TWO_GROUP_EXACT_M = 8  # G == 2 and m up to this: one exact two-group re-split is the whole search
 _EXHAUSTIVE_B = 10    # B at or below: every partition is tried, the max load is the optimum
 _EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
 
@@ -83,7 +84,38 @@ def _checked_costs(costs, groups: int) -> np.ndarray:
 
 def _row_sums(C: np.ndarray) -> np.ndarray:
     """Per-row sums in a fixed left-to-right order (bit-identical on every machine)."""
-    return np.cumsum(C, axis=1)[:, -1].copy()
+    return _last_axis_sums(C)
+
+
+def _last_axis_sums(X: np.ndarray) -> np.ndarray:
+    """Sums along the last axis, strictly left to right (((x0 + x1) + x2) + ...), exactly what
+    np.cumsum(X, axis=-1)[..., -1] gives; short rows add column by column (numpy's cumsum over many
+    short rows is slow)."""
+    k = X.shape[-1]
+    if k > 32:
+        return np.cumsum(X, axis=-1)[..., -1].copy()
+    out = X[..., 0].copy()
+    for j in range(1, k):
+        out += X[..., j]
+    return out
+
+
+def _partition_max(costs: np.ndarray, groups: int, m: int) -> np.ndarray:
+    """Max bin load of every partition of `_partitions(groups, m)`: costs [..., groups*m] ->
+    [..., P]. Each bin's load is summed left to right over its m members (as `_row_sums`)."""
+    cols = _partition_columns(groups, m)                   # [m, P, groups], contiguous per member
+    load = costs[..., cols[0]]
+    for j in range(1, len(cols)):
+        load += costs[..., cols[j]]
+    out = load[..., 0].copy()
+    for b in range(1, load.shape[-1]):
+        np.maximum(out, load[..., b], out=out)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _partition_columns(groups: int, m: int) -> np.ndarray:
+    return np.ascontiguousarray(np.moveaxis(_partitions(groups, m), 2, 0))
 
 
 def _exact_max(rows) -> float:
@@ -423,7 +455,7 @@ def _resplit(M, C, L, k, budget):
     budget[0] -= len(combos) * len(P)
     U = C[combos].reshape(len(combos), k * m)
     ids = M[combos].reshape(len(combos), k * m)
-    pmax = np.cumsum(U[:, P], axis=3)[..., -1].max(axis=2)                 # [combos, partitions]
+    pmax = _partition_max(U, k, m)                                            # [combos, partitions]
     best = pmax.min()
     if not best < L[h]:
         return False
@@ -457,7 +489,7 @@ def _improve(M, C, L, target, iters, K):
             return
         if _gather(M, C, L):
             continue
-        if (m <= _RESPLIT_M or (G == 2 and m <= 8)) and _resplit(M, C, L, 2, budget):
+        if m <= _RESPLIT_M and _resplit(M, C, L, 2, budget):
             continue
         if not (m <= _RESPLIT_M and _resplit(M, C, L, 3, budget)):
             return
@@ -494,7 +526,7 @@ def _exhaustive(c, groups, m):
     """Optimal partition by enumeration (B <= 10): lowest max load; among those, the most samples
     that can stay home (per bin, its largest same-home count). Returns (max load, int64 [G, m])."""
     P = _partitions(groups, m)
-    pmax = np.cumsum(c[P], axis=2)[..., -1].max(axis=1)
+    pmax = _partition_max(c, groups, m)
     best = pmax.min()
     tied = np.flatnonzero(pmax == best)
     same_home = (P[tied][..., None] // m == np.arange(groups)).sum(axis=2)      # [t, bin, home]
@@ -607,7 +639,12 @@ def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
     C = c[M]
     L = _row_sums(C)
     lpt_max = _lpt_max(c, G, visit)
-    if L.max() > lb * (1 + _EXACT_MARGIN):        # else the natural plan is optimal: keep it
+    if G == 2 and m <= _TWO_GROUP_EXACT_M:
+        # two groups: one re-split tries every partition, so it is the optimum (and, among optimal
+        # partitions, keeps the most samples home); no other phase can improve on it
+        if L.max() > lb * (1 + _EXACT_MARGIN):
+            _resplit(M, C, L, 2, [math.inf])
+    elif L.max() > lb * (1 + _EXACT_MARGIN):        # else the natural plan is optimal: keep it
         target = lb * (1 + _TOL)
         small = G * m * m <= _SMALL
         K = G - 1 if small else max(1, min(G - 1, _POLISH_WORK // (m * m)))
