@@ -39,6 +39,8 @@ class ReorderConfig:
     cross_slot: bool = False  # balance over the whole window (valid only with window-level loss normalization)
     encoder_quadratic_weight: float = 0.0  # cost per (patches of one image)**2 (full-attention ViT)
     language_quadratic_weight: float = 0.0  # cost per real_tokens**2
+    min_gain: float | None = None  # cost-benefit gate: relative gain a micro-batch must exceed to move
+    min_saving: float | None = None  # cost-benefit gate: saving (cost units) a micro-batch must exceed to move
 
     def __post_init__(self):
         for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
@@ -69,6 +71,14 @@ class ReorderConfig:
         if self.image_token_id == self.vision_start_token_id:
             raise ValueError(f"image_token_id={self.image_token_id} equals vision_start_token_id="
                              f"{self.vision_start_token_id}: they must be different tokens")
+        for name, top in (("min_gain", 1.0), ("min_saving", math.inf)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not 0 <= v < top:
+                raise ValueError(f"{name}={v!r}: must be a finite number >= 0" + (" and < 1" if top == 1 else "")
+                                 + " (or unset)")
+            object.__setattr__(self, name, float(v))
         if not isinstance(self.balancer, str):
             raise ValueError(f"balancer={self.balancer!r}: must be a balancer name (str)")
         from reorder.balancers import get_balancer
@@ -158,6 +168,12 @@ def add_reorder_args(parser: argparse.ArgumentParser):
     g.add_argument("--reorder-cross-slot", dest="cross_slot", action="store_true",
                    help="balance over the W micro-batches of a window (samples may change micro-batch; only "
                         "with one optimizer step per window and loss normalized over the global batch)")
+    g.add_argument("--reorder-min-gain", dest="min_gain", type=float, default=None,
+                   help="cost-benefit gate: keep a micro-batch's natural assignment unless its relative "
+                        "gain in max group load exceeds this (0..1)")
+    g.add_argument("--reorder-min-saving", dest="min_saving", type=float, default=None,
+                   help="cost-benefit gate: keep a micro-batch's natural assignment unless it saves more "
+                        "than this in max group load (cost units; ms with calibrated weights)")
     g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
     return g

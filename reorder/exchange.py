@@ -9,6 +9,7 @@ A module with DP size 1 permutes locally with no communication.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 import zlib
@@ -29,7 +30,7 @@ MAGIC = 0x52454F52  # "REOR"
 HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
           "encoder_quadratic_weight", "language_quadratic_weight",
           "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size",
-          "shadow", "cross_slot")
+          "shadow", "cross_slot", "min_gain", "min_saving")
 TEXT_BYTES = 1024
 COLS = 6  # placeholders, real tokens, images, patch rows, list bytes, sum of per-image patches**2
 
@@ -98,7 +99,8 @@ class WindowExchanger:
     grid: this rank's place (G, dp, rank); global_batch: B; cost: the cost model; balancer: name;
     window_size: most slots per window (metadata is sized for it); collectives: the module's DP
     group (None only when dp == 1); batch_dims: overrides of per-field batch dims; device: where
-    payloads go (counts are taken where the batch lives); min_gain: cost-benefit gate; shadow: plan
+    payloads go (counts are taken where the batch lives); min_gain / min_saving: cost-benefit gate
+    (plan.gate_orders: relative gain / saving in cost units a slot must exceed to move); shadow: plan
     and report what reordering would do (WindowReport) but return the micro-batches unchanged;
     cross_slot: plan one equal-count assignment over the window's W x G (slot, group) cells.
     """
@@ -106,7 +108,8 @@ class WindowExchanger:
     def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "balanced",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
                  device: torch.device | str | None = None, profile_stages: bool = False,
-                 min_gain: float | None = None, shadow: bool = False, cross_slot: bool = False):
+                 min_gain: float | None = None, min_saving: float | None = None, shadow: bool = False,
+                 cross_slot: bool = False):
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -122,7 +125,11 @@ class WindowExchanger:
         self.profile_stages = profile_stages  # synchronize the device at stage boundaries (benchmarks only)
         if min_gain is not None and not 0 <= min_gain < 1:
             raise ValueError(f"min_gain={min_gain!r} is invalid: the relative gain threshold must be in [0, 1)")
-        self.min_gain = min_gain  # cost-benefit gate (plan.gate_orders); None = always use the plan
+        if min_saving is not None and (isinstance(min_saving, bool) or not isinstance(min_saving, (int, float))
+                                       or not math.isfinite(min_saving) or min_saving < 0):
+            raise ValueError(f"min_saving={min_saving!r} is invalid: the saving threshold (cost units) must be "
+                             "a finite number >= 0")
+        self.min_gain, self.min_saving = min_gain, min_saving  # cost-benefit gate (plan.gate_orders)
         self.shadow = bool(shadow)  # plan and report, move nothing (must match across the DP group)
         # opt-in: balance over the whole window (samples may change micro-batch; still B/dp per rank
         # per slot). Valid only when the optimizer steps once per window and the loss is normalized
@@ -177,13 +184,13 @@ class WindowExchanger:
             flat = costs.reshape(1, w * batch)
             order = plan_orders(flat, self.grid.groups * w, self.balancer)
             gated = np.zeros(1, dtype=bool)
-            if self.min_gain is not None:
-                order, gated = gate_orders(flat, order, self.grid.groups * w, self.min_gain)
+            if self.min_gain is not None or self.min_saving is not None:
+                order, gated = gate_orders(flat, order, self.grid.groups * w, self.min_gain, self.min_saving)
             return order.reshape(w, batch), np.repeat(gated, w)
         orders = plan_orders(costs, self.grid.groups, self.balancer)
-        if self.min_gain is None:
+        if self.min_gain is None and self.min_saving is None:
             return orders, np.zeros(len(orders), dtype=bool)
-        return gate_orders(costs, orders, self.grid.groups, self.min_gain)
+        return gate_orders(costs, orders, self.grid.groups, self.min_gain, self.min_saving)
 
     def _header(self, error: bool, slots: int, layout_text: str) -> list:
         c = self.cost
@@ -191,7 +198,9 @@ class WindowExchanger:
                 _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), _f64_bits(c.encoder_quadratic_weight),
                 _f64_bits(c.language_quadratic_weight), c.spatial_merge_size, c.image_token_id,
                 c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
-                self.window_size, int(self.shadow), int(self.cross_slot)]
+                self.window_size, int(self.shadow), int(self.cross_slot),
+                _f64_bits(-1.0 if self.min_gain is None else self.min_gain),
+                _f64_bits(-1.0 if self.min_saving is None else self.min_saving)]
 
     def _check(self, gathered: torch.Tensor):
         """Raise the same ReorderError on every rank if any rank failed or configs differ."""
@@ -217,8 +226,10 @@ class WindowExchanger:
                     detail = "; ".join(f"ranks {[q for q, v in enumerate(col) if v == k]}: {s}" for k, s in sigs.items())
                     raise ReorderError(f"batch layout differs across ranks (fields, dtypes and per-sample shapes "
                                        f"must match: pad to a fixed sequence length): {detail}")
-                if name.endswith("_weight"):
+                if name.endswith("_weight") or name.startswith("min_"):
                     col = [struct.unpack("<d", struct.pack("<q", v))[0] for v in col]
+                    if name.startswith("min_"):
+                        col = [None if v < 0 else v for v in col]
                 if name == "balancer":
                     col = [f"crc32:{v:08x}" for v in col]
                 raise ReorderError(f"config mismatch across the DP group: {name} is "

@@ -261,5 +261,6 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
                      spatial_merge_size=cfg.spatial_merge_size)
     ex = WindowExchanger(grid=rg.grid, global_batch=global_batch, cost=cost, balancer=cfg.balancer,
                          window_size=cfg.window_size, collectives=rg.side if cfg.overlap else rg.main,
-                         device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot)
+                         device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot, min_gain=cfg.min_gain,
+                         min_saving=cfg.min_saving)
     return ReorderingBuffer(iter(data_iterator), ex, overlap=cfg.overlap, log_every=log_every)

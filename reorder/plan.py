@@ -30,16 +30,23 @@ def rank_loads(costs: np.ndarray, orders: np.ndarray | None, dp: int) -> np.ndar
     return costs.reshape(w, dp, b // dp).sum(axis=2)
 
 
-def gate_orders(costs: np.ndarray, orders: np.ndarray, groups: int, min_gain: float):
-    """Cost-benefit gate: keep the natural assignment for every slot whose relative gain in max group
-    load, 1 - max_after / max_before on the grid, is <= min_gain. Depends only on costs, orders and G,
+def gate_orders(costs: np.ndarray, orders: np.ndarray, groups: int, min_gain: float | None = None,
+                min_saving: float | None = None):
+    """Cost-benefit gate: keep the natural assignment for every slot whose plan does not pay. On the
+    grid, with max_before / max_after the max group load of the natural / planned assignment, a slot
+    is gated when its relative gain 1 - max_after / max_before is <= `min_gain`, or its saving
+    max_before - max_after (cost units: ms when the cost weights are calibrated in ms) is <=
+    `min_saving` (None: that test is off). Depends only on costs, orders, G and the two thresholds,
     so every rank of every module takes the same decision. Returns (orders, bool [W] gated)."""
     costs = np.asarray(costs, dtype=np.float64)
     before = rank_loads(costs, None, groups).max(axis=1)
     after = rank_loads(costs, orders, groups).max(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gain = np.where(before > 0, 1 - after / before, 0.0)
-    gated = gain <= min_gain
+    gated = np.zeros(len(before), dtype=bool)
+    if min_gain is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gated |= np.where(before > 0, 1 - after / before, 0.0) <= min_gain
+    if min_saving is not None:
+        gated |= before - after <= min_saving
     out = np.array(orders, dtype=np.int64, copy=True)
     out[gated] = np.arange(costs.shape[1], dtype=np.int64)
     return out, gated

@@ -126,6 +126,36 @@ def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
     assert [o[0]["sample_id"].tolist() for o, _ in res] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+def test_min_saving_gate_keeps_slots_that_save_too_little():
+    from reorder import plan
+
+    # slot 0 saves 4 in max group load (10 -> 6), slot 1 saves 2 (4 -> 2), slot 2 nothing
+    costs = np.array([[5.0, 5, 1, 1, 2, 2, 3, 3], [2.0, 2, 1, 1, 1, 1, 0, 0], [1.0] * 8])
+    orders = plan.plan_orders(costs, 4)
+    saving = plan.rank_loads(costs, None, 4).max(1) - plan.rank_loads(costs, orders, 4).max(1)
+    assert saving.tolist() == [4.0, 2.0, 0.0]
+    for threshold, want in ((0.0, [False, False, True]), (1.9, [False, False, True]), (2.0, [False, True, True]),
+                            (4.0, [True, True, True])):
+        got_orders, gated = plan.gate_orders(costs, orders, 4, min_saving=threshold)
+        assert gated.tolist() == want, threshold
+        assert (got_orders[gated] == np.arange(8)).all() and (got_orders[~gated] == orders[~gated]).all()
+    # either threshold gates: the relative one alone keeps slot 1 (gain 0.5), both together drop it
+    assert plan.gate_orders(costs, orders, 4, min_gain=0.2)[1].tolist() == [False, False, True]
+    assert plan.gate_orders(costs, orders, 4, min_gain=0.2, min_saving=2.0)[1].tolist() == [False, True, True]
+
+
+def test_gate_thresholds_must_match_across_the_dp_group():
+    shares = _shares(2)
+    out = _run(2, lambda r: [shares[r]], lambda r: {"min_saving": 100.0 * r})
+    assert [str(e) for e in out] == ["config mismatch across the DP group: min_saving is 0.0 on ranks [0], "
+                                     "100.0 on ranks [1]"] * 2
+    out = _run(2, lambda r: [shares[r]], lambda r: {"min_gain": 0.1 if r else None})
+    assert [str(e) for e in out] == ["config mismatch across the DP group: min_gain is None on ranks [0], "
+                                     "0.1 on ranks [1]"] * 2
+    with pytest.raises(ValueError, match=r"min_saving=-1.0 is invalid"):
+        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=2, cost=COST, min_saving=-1.0)
+
+
 def test_language_cost_weight_is_used_everywhere():
     batches = windows_for(4, 8, 2)
     cost = CostModel(encoder_weight=0.0, language_weight=1.0)  # pure text cost: real tokens only
