@@ -1,4 +1,5 @@
-"""End-to-end vision step time, reorder off / on (synchronous) / on (overlap), dp 2 over 2 GPUs.
+"""End-to-end vision step time, reorder off / on (synchronous) / on (synchronous, cost-benefit gate) /
+on (overlap), dp 2 over 2 GPUs.
 
   torchrun --nproc-per-node 2 bench/e2e_vision.py [--steps 40] [--json bench/results/e2e_vision.json]
 
@@ -8,7 +9,9 @@ are all-reduced (NCCL), as in data-parallel training. Every mode replays the sam
 micro-batches (skewed image-size mix, pinned host memory). Reported per mode: step time mean, p50,
 p90, p99 (rank 0's clock; the all-reduce makes every step as slow as the slowest rank), and the gain
 predicted from the cost balance (1 - sum of max per-rank patches after / before) next to the measured
-mean gain.
+mean gain. The gate's threshold is measured in the same run: ms per patch from the "off" steps (least
+squares of step time on the max per-rank patches) and the synchronous exchange's median time give
+min_saving = exchange ms / (ms per patch), the same on both ranks.
 """
 
 from __future__ import annotations
@@ -82,30 +85,36 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json")
     args = p.parse_args()
-    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(minutes=5))
+    cuda = torch.cuda.is_available()  # without a GPU: a CPU/Gloo smoke run of the same code
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
     me, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", me)
-    torch.cuda.set_device(dev)
+    dev = torch.device("cuda", me) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     groups = build_groups({"vision": [list(range(world))]}, overlap=True)
     torch.manual_seed(0)
-    model = Encoder(1176, args.dim, 16, args.layers).to(dev, torch.bfloat16)
+    model = Encoder(1176, args.dim, 16, args.layers).to(dev, torch.bfloat16 if cuda else torch.float32)
     params = list(model.parameters())
     B, n = args.micro_batch, args.steps + args.warmup
     rng = np.random.default_rng(2024)
     globals_ = [syn.make_global_batch(rng, B, 4096, features=1176, mix=args.mix, first_id=k * B, scale=1.0)
                 for k in range(n)]
-    shares = [syn.pin(syn.module_view(syn.rank_share(g, world, me), syn.VISION_FIELDS)) for g in globals_]
+    pin = syn.pin if cuda else (lambda b: b)
+    shares = [pin(syn.module_view(syn.rank_share(g, world, me), syn.VISION_FIELDS)) for g in globals_]
     cost = CostModel()
 
     def step(mb):
         vit = mb["modality_inputs"]["images"]["vit"]
-        patches = vit["hidden_states"].to(dev, non_blocking=True)
+        patches = vit["hidden_states"].to(dev, params[0].dtype, non_blocking=True)
         loss = model(patches, vit["grid_thw"].cpu())
         loss.backward()
         flat = torch.cat([q.grad.reshape(-1) for q in params])
         dist.all_reduce(flat)
         for q in params:
             q.grad = None
+
+    gate = {"min_saving": None}
 
     def run(mode):
         if mode == "off":
@@ -114,29 +123,39 @@ def main():
         else:
             ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=1,
                                  collectives=groups.side if mode == "overlap" else groups.main, device=dev,
-                                 profile_stages=(mode == "sync"))  # sync mode synchronizes anyway
+                                 min_saving=gate["min_saving"] if mode == "gated" else None)
             buf = ReorderingBuffer(iter(shares), ex, overlap=(mode == "overlap"))
             it = iter(buf)
         times = []
         for k in range(n):
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             step(next(it))
-            torch.cuda.synchronize()
+            sync()
             times.append((time.perf_counter() - t) * 1e3)
         reports = list(buf.reports) if buf is not None else []
         if buf is not None:
             buf.close()
         return times[args.warmup:], reports
 
-    for mode in ("off", "sync", "overlap"):  # warm passes: every batch shape of every mode seen once
-        run(mode)
+    off_times, _ = run("off")  # warm passes: every batch shape of every mode seen once
+    _, sync_reports = run("sync")
+    run("overlap")
+    nat_max = np.array([r.loads_before.max() for r in sync_reports[args.warmup:]])
+    fit = torch.tensor([float(np.polyfit(nat_max, off_times, 1)[0]),  # ms per patch on the slowest rank
+                        float(np.median([r.exchange_ms for r in sync_reports[args.warmup:]]))], dtype=torch.float64)
+    dist.broadcast(fit, 0, group=groups.main.meta_group)  # rank 0's figures: one threshold everywhere
+    slope, ex_ms = fit.tolist()
+    gate["min_saving"] = ex_ms / slope if slope > 0 else 0.0
+    gate.update(ms_per_patch=slope, exchange_ms=ex_ms)
+    run("gated")
     per_round = []
-    samples, predicted = {"off": [], "sync": [], "overlap": []}, None
+    order = ["off", "sync", "gated", "overlap"]
+    samples, predicted = {m: [] for m in order}, None
     sync_exchange = []  # per round: exchange time inside the synchronous steps
-    order = ["off", "sync", "overlap"]
+    gated_slots = []
     for k in range(args.rounds):  # modes interleaved and rotated, so drift and order hit all alike
-        for mode in order[k % 3:] + order[:k % 3]:
+        for mode in order[k % 4:] + order[:k % 4]:
             times, reports = run(mode)
             samples[mode] += times
             per_round.append(dict(round=k, mode=mode, mean_ms=float(np.mean(times)), max_ms=float(np.max(times))))
@@ -145,16 +164,24 @@ def main():
                 worst = max(range(len(ex_ms)), key=ex_ms.__getitem__)
                 sync_exchange.append(dict(median_ms=float(np.median(ex_ms)), max_ms=ex_ms[worst],
                                           worst_stages=reports[args.warmup + worst].stage_ms))
+            if mode == "gated":
+                gated_slots.append(sum(r.gated_slots for r in reports[args.warmup:]))
             if mode == "sync" and predicted is None:
                 rep = reports[args.warmup:]
                 predicted = 1 - sum(r.max_after for r in rep) / sum(r.max_before for r in rep)
     results = {m: percentiles(t) for m, t in samples.items()}
-    results["allocator"] = {k: torch.cuda.memory_stats(dev).get(k, 0) for k in ("num_alloc_retries", "num_ooms")}
-    results["allocator"]["max_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
+    if cuda:
+        results["allocator"] = {k: torch.cuda.memory_stats(dev).get(k, 0) for k in ("num_alloc_retries", "num_ooms")}
+        results["allocator"]["max_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
     off, off90 = results["off"]["mean"], results["off"]["p90"]
-    out = dict(device=torch.cuda.get_device_name(0) + f" x{world}", modes=results, predicted_gain=predicted,
-               mean_gain=1 - results["overlap"]["mean"] / off, mean_gain_sync=1 - results["sync"]["mean"] / off,
-               p90_gain=1 - results["overlap"]["p90"] / off90)
+    out = dict(device=(torch.cuda.get_device_name(0) if cuda else "cpu") + f" x{world}", mix=args.mix, modes=results,
+               predicted_gain=predicted, mean_gain=1 - results["overlap"]["mean"] / off,
+               mean_gain_sync=1 - results["sync"]["mean"] / off, mean_gain_gated=1 - results["gated"]["mean"] / off,
+               p90_gain=1 - results["overlap"]["p90"] / off90, p90_gain_sync=1 - results["sync"]["p90"] / off90,
+               p90_gain_gated=1 - results["gated"]["p90"] / off90, gate=gate,
+               gated_steps=f"{sum(gated_slots)} of {args.steps * args.rounds}")
+    out["never_slower"] = {m: bool(results[m]["mean"] <= off and results[m]["p90"] <= off90)
+                           for m in ("sync", "gated", "overlap")}
     out["gain_over_ideal"] = out["mean_gain"] / predicted if predicted else None
     out["sync_exchange"] = sync_exchange
     out["per_round"] = per_round
@@ -166,8 +193,10 @@ def main():
                 continue
             print(f"{m:10} {r['mean']:8.2f} {r['p50']:8.2f} {r['p90']:8.2f} {r['p99']:8.2f}")
         print(f"predicted ideal gain {predicted:.1%}; measured mean gain overlap {out['mean_gain']:.1%}, "
-              f"sync {out['mean_gain_sync']:.1%}; p90 gain {out['p90_gain']:.1%}; "
+              f"sync {out['mean_gain_sync']:.1%}, gated {out['mean_gain_gated']:.1%}; p90 gain overlap "
+              f"{out['p90_gain']:.1%}, sync {out['p90_gain_sync']:.1%}, gated {out['p90_gain_gated']:.1%}; "
               f"gain / ideal {out['gain_over_ideal']:.2f}")
+        print("gate:", gate, "gated steps:", out["gated_steps"], "never slower (mean and p90):", out["never_slower"])
         print("synchronous exchange inside the steps:", sync_exchange)
         for r in per_round:
             print(f"  round {r['round']} {r['mode']:8} mean {r['mean_ms']:8.2f} ms  max {r['max_ms']:8.2f} ms")

@@ -19,6 +19,7 @@ from reorder import CostModel, WindowExchanger
 from reorder import synthetic as syn
 from reorder.buffer import ReorderingBuffer
 from reorder.dist import build_groups
+from reorder.exchange import COLS, HEADER, TEXT_BYTES
 
 
 def timed(fn, reps):
@@ -80,18 +81,24 @@ def main():
             pinned = [syn.pin(m) for m in mine]
             a2a_ms = timed(bare, args.reps)
             t_host = timed(lambda: ex.exchange(pinned), args.reps)  # from pinned host batches (H2D inside)
+            meta = torch.zeros(len(HEADER) + TEXT_BYTES // 8 + w * per * COLS, dtype=torch.int64)
+            gloo_ms = timed(lambda: groups.main.all_gather(meta), args.reps * 4)  # the metadata step's floor
             rows.append(dict(per_rank=per, window=w, moved_mib=rep.moved_bytes / 2**20, sent_mib=send_bytes / 2**20,
                              exchange_ms=exch_ms, a2a_ms=a2a_ms, ratio=exch_ms / a2a_ms if a2a_ms else None,
+                             target_ms=1.3 * a2a_ms + 1.0, gloo_all_gather_ms=gloo_ms,
                              exchange_from_host_ms=t_host, plan_ms=rep.plan_ms, stage_ms=stage_ms))
-    # dp-1 local permutation (no communication) on device-resident micro-batches
-    perm = {}
+    # dp-1 local permutation (no communication) on device-resident micro-batches: 8 different
+    # micro-batches in turn (the plan permutes some, keeps others in natural order: both are timed)
+    perm, permuted = {}, {}
     for mb in (4, 32):
         rng = np.random.default_rng(7)
-        g = syn.to_device(syn.make_global_batch(rng, mb, 4096, features=1176, mix="large"), dev)
+        gs = [syn.to_device(syn.make_global_batch(rng, mb, 4096, features=1176, mix="large"), dev) for _ in range(8)]
         loc = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), global_batch=mb, cost=cost,
                               device=dev)
-        loc.exchange([g])
-        perm[mb] = timed(lambda: loc.exchange([g]), args.reps * 2)
+        reps = [loc.exchange([g])[1] for g in gs]
+        permuted[mb] = sum(bool((r.orders != np.arange(mb)).any()) for r in reps)
+        k = iter(range(10**9))
+        perm[mb] = timed(lambda: loc.exchange([gs[next(k) % 8]]), args.reps * 8)
     # overlap: exposed time per next() while a fake compute step of compute_ms runs on the GPU
     w, per = 2, args.per_rank[0]
     B = per * world
@@ -132,12 +139,13 @@ def main():
                    overlap_exposed_fraction=float(np.median(exposed) / np.median(steps)))
     if me == 0:
         print(f"{'per rank':>8} {'W':>2} {'moved MiB':>10} {'exchange ms':>12} {'bare a2a ms':>12} {'ratio':>7} "
-              f"{'from host ms':>13} {'plan ms':>8}")
+              f"{'target ms':>10} {'gloo ms':>8} {'from host ms':>13} {'plan ms':>8}")
         for r in rows:
             print(f"{r['per_rank']:8d} {r['window']:2d} {r['moved_mib']:10.1f} {r['exchange_ms']:12.2f} "
-                  f"{r['a2a_ms']:12.2f} {r['ratio']:7.2f} {r['exchange_from_host_ms']:13.2f} {r['plan_ms']:8.3f}")
+                  f"{r['a2a_ms']:12.2f} {r['ratio']:7.2f} {r['target_ms']:10.2f} {r['gloo_all_gather_ms']:8.3f} "
+                  f"{r['exchange_from_host_ms']:13.2f} {r['plan_ms']:8.3f}")
             print("         stages (ms, synchronized):", {k: round(v, 3) for k, v in r["stage_ms"].items()})
-        print("dp-1 local permutation ms:", perm)
+        print("dp-1 local permutation ms:", perm, "micro-batches permuted of 8:", permuted)
         print("overlap (W=2):", overlap, "worker alive during stream:", alive)
         if args.json:
             real = next(r for r in rows if r["per_rank"] == 8 and r["window"] == 1) if any(
@@ -147,7 +155,8 @@ def main():
                                exchange_over_a2a=real["ratio"],
                                exchange_fixed_ms=real["exchange_ms"] - real["a2a_ms"],
                                overlap_exposed_fraction=overlap["overlap_exposed_fraction"],
-                               dp1_perm_ms_mb4=perm[4], dp1_perm_ms_mb32=perm[32]), f, indent=2)
+                               dp1_perm_ms_mb4=perm[4], dp1_perm_ms_mb32=perm[32], dp1_permuted_of_8=permuted),
+                          f, indent=2)
     dist.destroy_process_group()
 
 
