@@ -56,7 +56,7 @@ def main():
                   take_gbps=gb / take_ms * 1e3, pack_over_cat=pack_ms / cat_ms,
                   threads=1, samples=args.samples, patch_rows=rows)
     print(f"{'op':28} {'ms':>8} {'GB/s':>7}   ({size / 2**20:.1f} MiB, {args.samples} samples, {rows} patch rows, 1 thread)")
-    print(f"{'pack (index_select per field)':28} {pack_ms:8.2f} {result['pack_gbps']:7.2f}")
+    print(f"{'pack (runs, one cat per field)':28} {pack_ms:8.2f} {result['pack_gbps']:7.2f}")
     print(f"{'torch.cat, preallocated out':28} {cat_ms:8.2f} {result['cat_gbps']:7.2f}")
     print(f"{'torch.cat, fresh output':28} {cat_alloc_ms:8.2f} {result['cat_alloc_gbps']:7.2f}")
     print(f"{'unpack + take (reassembly)':28} {take_ms:8.2f} {result['take_gbps']:7.2f}")

@@ -1,6 +1,8 @@
 """Byte-exact sample packing: select samples of shards, pack them into one contiguous uint8 buffer,
-and view them back. Every copy works on uint8 views, one vectorized op per field (so every dtype,
-float8 and complex included, travels bit-for-bit), never one Python call per sample per field.
+and view them back. A selection is a list of runs of consecutive samples; each field is copied by
+one concatenation of `narrow` views of those runs, reinterpreted as the widest integer word the
+field's bytes allow (so every dtype, float8 and complex included, travels bit-for-bit, at 8 bytes
+per element where possible), never one Python call per sample per field and never an index tensor.
 
 Buffer format for n samples (all sizes computable from per-sample metadata alone, see `nbytes`):
 dense fields in layout order, then per-row fields, then per-image fields, then the pickled list
@@ -51,17 +53,17 @@ def runs(index: np.ndarray) -> list:
 
 
 class _Source:
-    """One shard seen as uint8 field views (bytes_view, made on first use) and per-sample entry
-    offsets of its ragged fields, so a run of samples becomes one `narrow` per field (no index
-    tensor, no host-to-device copy)."""
+    """One shard: its fields as contiguous tensors (made on first use) and per-sample entry offsets of
+    its ragged fields, so a run of samples is one `narrow` per field (no index tensor, no
+    host-to-device copy)."""
 
     def __init__(self, shard: Shard):
-        self.shard, self._bytes, self._starts = shard, {}, {}
+        self.shard, self._fields, self._starts = shard, {}, {}
 
-    def field(self, path, ragged: bool) -> torch.Tensor:
-        t = self._bytes.get(path)
+    def tensor(self, path, ragged: bool) -> torch.Tensor:
+        t = self._fields.get(path)
         if t is None:
-            t = self._bytes[path] = bytes_view((self.shard.ragged if ragged else self.shard.dense)[path])
+            t = self._fields[path] = (self.shard.ragged if ragged else self.shard.dense)[path].contiguous()
         return t
 
     def entries(self, per: str, a: int, b: int) -> tuple:
@@ -71,6 +73,38 @@ class _Source:
             counts = self.shard.row_counts if per == "row" else self.shard.image_counts
             o = self._starts[per] = np.concatenate([[0], np.cumsum(counts.numpy(), dtype=np.int64)])
         return int(o[a]), int(o[b] - o[a])
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _word(post_bytes: int, tensors) -> torch.dtype:
+    """The widest integer word dividing the bytes per sample and every tensor's start address:
+    copies then move 8 bytes per element instead of one."""
+    for w in _WORDS:
+        if post_bytes % w.itemsize == 0 and all(t.data_ptr() % w.itemsize == 0 for t in tensors):
+            return w
+    return torch.uint8
+
+
+def _split(shape: tuple, batch_dim: int, itemsize: int) -> tuple:
+    """(pre, post_bytes) of a contiguous tensor of `shape` around its batch dim."""
+    pre = post = 1
+    for d in shape[:batch_dim]:
+        pre *= d
+    for d in shape[batch_dim + 1:]:
+        post *= d
+    return pre, post * itemsize
+
+
+def _words(t: torch.Tensor, batch_dim: int, word: torch.dtype) -> torch.Tensor:
+    """[pre, n, post_bytes / word size] view of contiguous `t` (n = samples or entries along batch_dim)."""
+    pre, post = _split(tuple(t.shape), batch_dim, t.dtype.itemsize)
+    return t.reshape(-1).view(torch.uint8).view(word).view(pre, t.shape[batch_dim], post // word.itemsize)
+
+
+def _from_words(w: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    return w.view(torch.uint8).view(dtype).view(shape)
 
 
 def _source_runs(sizes: list, index: np.ndarray) -> list:
@@ -102,31 +136,45 @@ def _gather(views: list, dim: int, out: torch.Tensor | None):
     return out
 
 
+def _field(sources: list, tensor, spans: list, batch_dim: int, shape_of, dtype, region):
+    """One field of a selection: `spans` ((source, start, length) along `batch_dim`) of the sources'
+    `tensor(source)`, concatenated in order into `region` (a flat uint8 buffer) or a new tensor."""
+    used = {k: tensor(sources[k]) for k in dict.fromkeys(k for k, _, _ in spans)} or {0: tensor(sources[0])}
+    n = sum(ln for _, _, ln in spans)
+    shape = shape_of(n)
+    pre, post = _split(shape, batch_dim, dtype.itemsize)
+    if pre * post == 0 or n == 0:
+        first = next(iter(used.values()))
+        return torch.empty(shape, dtype=dtype, device=first.device) if region is None else _from_words(
+            region, dtype, shape)
+    word = _word(post, list(used.values()) + ([] if region is None else [region]))
+    whole = {k: _words(t, batch_dim, word) for k, t in used.items()}
+    views = [whole[k].narrow(1, s, ln) for k, s, ln in spans if ln]
+    out = None if region is None else region.view(word).view(pre, n, post // word.itemsize)
+    return _from_words(_gather(views, 1, out), dtype, shape)
+
+
 def _select(layout: BatchLayout, sources: list, pieces: list, regions=None) -> Shard:
     """The samples of `pieces` ((source, start, stop) runs over `sources`, a list of _Source) as
-    a new shard; with `regions` (path -> uint8 buffer view of the field's packed shape) the fields
-    are written there instead of to new tensors. A shard taken whole is returned as-is (no copy)."""
+    a new shard; with `regions` (path -> flat uint8 buffer for the field) the fields are written
+    there instead of to new tensors. A shard taken whole is returned as-is (no copy)."""
     if regions is None and len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == sources[pieces[0][0]].shard.n:
         return sources[pieces[0][0]].shard  # taken whole, in order: no copy
     out = Shard(n=sum(b - a for _, a, b in pieces))
+    spans = [(k, a, b - a) for k, a, b in pieces]
     for f in layout.dense:
-        views = [sources[k].field(f.path, False).narrow(f.batch_dim, a, b - a) for k, a, b in pieces]
-        if not views:
-            views = [sources[0].field(f.path, False).narrow(f.batch_dim, 0, 0)]
-        got = _gather(views, f.batch_dim, None if regions is None else regions[f.path])
-        out.dense[f.path] = from_bytes(got, f.dtype)
+        out.dense[f.path] = _field(sources, lambda src, f=f: src.tensor(f.path, False), spans, f.batch_dim,
+                                   f.full_shape, f.dtype, None if regions is None else regions[f.path])
     if layout.ragged:
         rows = [sources[k].shard.row_counts[a:b] for k, a, b in pieces]
         imgs = [sources[k].shard.image_counts[a:b] for k, a, b in pieces]
         out.row_counts = _cat(rows, 0) if rows else torch.zeros(0, dtype=torch.int64)
         out.image_counts = _cat(imgs, 0) if imgs else torch.zeros(0, dtype=torch.int64)
         for f in layout.ragged:
-            spans = [(k, *sources[k].entries(f.per, a, b)) for k, a, b in pieces]
-            views = [sources[k].field(f.path, True).narrow(0, e, ln) for k, e, ln in spans if ln]
-            if not views:
-                views = [sources[0].field(f.path, True).narrow(0, 0, 0)]
-            got = _gather(views, 0, None if regions is None else regions[f.path])
-            out.ragged[f.path] = from_bytes(got, f.dtype)
+            entry = [(k, *sources[k].entries(f.per, a, b)) for k, a, b in pieces]
+            out.ragged[f.path] = _field(sources, lambda src, f=f: src.tensor(f.path, True), entry, 0,
+                                        lambda n, f=f: (n, *f.entry_shape), f.dtype,
+                                        None if regions is None else regions[f.path])
     if layout.lists:
         out.lists = [e for k, a, b in pieces for e in sources[k].shard.lists[a:b]]
     return out
@@ -166,13 +214,13 @@ def pack(layout: BatchLayout, shard: Shard, index, out: torch.Tensor, blobs=None
     n, off, regions = len(index), 0, {}
     for f in layout.dense:
         size = n * f.sample_bytes
-        regions[f.path] = out[off:off + size].view(*f.full_shape(n), f.dtype.itemsize)
+        regions[f.path] = out[off:off + size]
         off += _align(size)
     if layout.ragged:
         for f in layout.ragged:
             k = sum(src.entries(f.per, a, b)[1] for _, a, b in pieces)
             size = k * f.entry_bytes
-            regions[f.path] = out[off:off + size].view(k, *f.entry_shape, f.dtype.itemsize)
+            regions[f.path] = out[off:off + size]
             off += _align(size)
     _select(layout, [src], pieces, regions)
     if layout.lists:
