@@ -1,17 +1,19 @@
-"""End-to-end vision step time, reorder off / on (synchronous) / on (synchronous, cost-benefit gate) /
-on (overlap), dp 2 over 2 GPUs.
+"""End-to-end vision step time on dp 2 over 2 GPUs: reorder off / on synchronous / on synchronous
+with the cost-benefit gate / on with overlap / on with overlap and the gate.
 
-  torchrun --nproc-per-node 2 bench/e2e_vision.py [--steps 40] [--json bench/results/e2e_vision.json]
+  torchrun --nproc-per-node 2 bench/e2e_vision.py [--steps 40] [--mix large] [--json out.json]
 
 A small ViT-like encoder (patch embedding, pre-norm blocks with full attention inside each image via
 scaled_dot_product_attention, MLP) runs forward + backward on each rank's images, then the gradients
 are all-reduced (NCCL), as in data-parallel training. Every mode replays the same global
-micro-batches (skewed image-size mix, pinned host memory). Reported per mode: step time mean, p50,
+micro-batches (a named image-size mix, pinned host memory). Reported per mode: step time mean, p50,
 p90, p99 (rank 0's clock; the all-reduce makes every step as slow as the slowest rank), and the gain
 predicted from the cost balance (1 - sum of max per-rank patches after / before) next to the measured
-mean gain. The gate's threshold is measured in the same run: ms per patch from the "off" steps (least
-squares of step time on the max per-rank patches) and the synchronous exchange's median time give
-min_saving = exchange ms / (ms per patch), the same on both ranks.
+mean gain. The gate is calibrated in the same run: each rank's own compute time is fitted
+(non-negative least squares, reorder.calibrate) on patches, per-image patches^2 and images, which
+gives a cost model in ms; min_saving is the synchronous exchange's median ms (rank 0's figure, the
+same on both ranks), so a micro-batch moves only when its predicted saving exceeds the exchange.
+Without a GPU it runs on CPU/Gloo as a smoke test.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from reorder import CostModel, WindowExchanger
 from reorder import synthetic as syn
 from reorder.buffer import ReorderingBuffer
+from reorder.calibrate import fit_cost_weights
 from reorder.dist import build_groups
 
 
@@ -104,33 +107,44 @@ def main():
     shares = [pin(syn.module_view(syn.rank_share(g, world, me), syn.VISION_FIELDS)) for g in globals_]
     cost = CostModel()
 
-    def step(mb):
+    compute = []  # calibration: (patches, sum of per-image patches^2, images, ms) of this rank's steps
+
+    def step(mb, calibrate=False):
         vit = mb["modality_inputs"]["images"]["vit"]
         patches = vit["hidden_states"].to(dev, params[0].dtype, non_blocking=True)
-        loss = model(patches, vit["grid_thw"].cpu())
+        grid = vit["grid_thw"].cpu()
+        if calibrate:
+            sync()
+            t = time.perf_counter()
+        loss = model(patches, grid)
         loss.backward()
+        if calibrate:  # this rank's own compute time, before the all-reduce waits for the slower rank
+            sync()
+            per = grid.prod(1).double()
+            compute.append([float(per.sum()), float((per * per).sum()), len(grid), (time.perf_counter() - t) * 1e3])
         flat = torch.cat([q.grad.reshape(-1) for q in params])
         dist.all_reduce(flat)
         for q in params:
             q.grad = None
 
-    gate = {"min_saving": None}
+    gate = {}
 
-    def run(mode):
+    def run(mode, calibrate=False):
         if mode == "off":
             it = iter(shares)
             buf = None
         else:
-            ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=1,
-                                 collectives=groups.side if mode == "overlap" else groups.main, device=dev,
-                                 min_saving=gate["min_saving"] if mode == "gated" else None)
-            buf = ReorderingBuffer(iter(shares), ex, overlap=(mode == "overlap"))
+            gated = mode.endswith("+gate")
+            ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=gate["cost"] if gated else cost,
+                                 window_size=1, collectives=groups.side if mode.startswith("overlap") else groups.main,
+                                 device=dev, min_saving=gate["min_saving"] if gated else None)
+            buf = ReorderingBuffer(iter(shares), ex, overlap=mode.startswith("overlap"))
             it = iter(buf)
         times = []
         for k in range(n):
             sync()
             t = time.perf_counter()
-            step(next(it))
+            step(next(it), calibrate)
             sync()
             times.append((time.perf_counter() - t) * 1e3)
         reports = list(buf.reports) if buf is not None else []
@@ -138,24 +152,32 @@ def main():
             buf.close()
         return times[args.warmup:], reports
 
-    off_times, _ = run("off")  # warm passes: every batch shape of every mode seen once
+    # warm passes (every batch shape of every mode seen once) that also measure the gate's inputs:
+    # per-rank compute time ~ patches, patches^2 and images (non-negative least squares over both
+    # ranks) gives a cost model in ms; the synchronous exchange's median time is the threshold
+    run("off", calibrate=True)
     _, sync_reports = run("sync")
     run("overlap")
-    nat_max = np.array([r.loads_before.max() for r in sync_reports[args.warmup:]])
-    fit = torch.tensor([float(np.polyfit(nat_max, off_times, 1)[0]),  # ms per patch on the slowest rank
-                        float(np.median([r.exchange_ms for r in sync_reports[args.warmup:]]))], dtype=torch.float64)
-    dist.broadcast(fit, 0, group=groups.main.meta_group)  # rank 0's figures: one threshold everywhere
-    slope, ex_ms = fit.tolist()
-    gate["min_saving"] = ex_ms / slope if slope > 0 else 0.0
-    gate.update(ms_per_patch=slope, exchange_ms=ex_ms)
-    run("gated")
+    everyone = [None] * world
+    dist.all_gather_object(everyone, compute, group=groups.main.meta_group)
+    rows = np.array([r for rank_rows in everyone for r in rank_rows])
+    fit = fit_cost_weights(rows[:, :3], rows[:, 3], names=("patches", "square_patches", "images"))
+    ex_ms = torch.tensor([float(np.median([r.exchange_ms for r in sync_reports[args.warmup:]]))], dtype=torch.float64)
+    dist.broadcast(ex_ms, 0, group=groups.main.meta_group)  # rank 0's figure: one threshold everywhere
+    w_p, w_sq = fit.weights["patches"], fit.weights["square_patches"]
+    gate.update(cost=CostModel(encoder_weight=w_p if w_p or w_sq else 1e-12, encoder_quadratic_weight=w_sq),
+                min_saving=float(ex_ms))
+    gate_info = dict(fit_ms_per_patch=w_p, fit_ms_per_patch2=w_sq, fit_ms_per_image=fit.weights["images"],
+                     fit_intercept_ms=fit.intercept, fit_r2=fit.r2, min_saving_ms=float(ex_ms))
+    run("sync+gate")
+    run("overlap+gate")
     per_round = []
-    order = ["off", "sync", "gated", "overlap"]
+    order = ["off", "sync", "sync+gate", "overlap", "overlap+gate"]
     samples, predicted = {m: [] for m in order}, None
     sync_exchange = []  # per round: exchange time inside the synchronous steps
-    gated_slots = []
+    gated_slots = {m: 0 for m in order if m.endswith("+gate")}
     for k in range(args.rounds):  # modes interleaved and rotated, so drift and order hit all alike
-        for mode in order[k % 4:] + order[:k % 4]:
+        for mode in order[k % len(order):] + order[:k % len(order)]:
             times, reports = run(mode)
             samples[mode] += times
             per_round.append(dict(round=k, mode=mode, mean_ms=float(np.mean(times)), max_ms=float(np.max(times))))
@@ -164,8 +186,8 @@ def main():
                 worst = max(range(len(ex_ms)), key=ex_ms.__getitem__)
                 sync_exchange.append(dict(median_ms=float(np.median(ex_ms)), max_ms=ex_ms[worst],
                                           worst_stages=reports[args.warmup + worst].stage_ms))
-            if mode == "gated":
-                gated_slots.append(sum(r.gated_slots for r in reports[args.warmup:]))
+            if mode in gated_slots:
+                gated_slots[mode] += sum(r.gated_slots for r in reports[args.warmup:])
             if mode == "sync" and predicted is None:
                 rep = reports[args.warmup:]
                 predicted = 1 - sum(r.max_after for r in rep) / sum(r.max_before for r in rep)
@@ -174,14 +196,13 @@ def main():
         results["allocator"] = {k: torch.cuda.memory_stats(dev).get(k, 0) for k in ("num_alloc_retries", "num_ooms")}
         results["allocator"]["max_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
     off, off90 = results["off"]["mean"], results["off"]["p90"]
-    out = dict(device=(torch.cuda.get_device_name(0) if cuda else "cpu") + f" x{world}", mix=args.mix, modes=results,
-               predicted_gain=predicted, mean_gain=1 - results["overlap"]["mean"] / off,
-               mean_gain_sync=1 - results["sync"]["mean"] / off, mean_gain_gated=1 - results["gated"]["mean"] / off,
-               p90_gain=1 - results["overlap"]["p90"] / off90, p90_gain_sync=1 - results["sync"]["p90"] / off90,
-               p90_gain_gated=1 - results["gated"]["p90"] / off90, gate=gate,
-               gated_steps=f"{sum(gated_slots)} of {args.steps * args.rounds}")
-    out["never_slower"] = {m: bool(results[m]["mean"] <= off and results[m]["p90"] <= off90)
-                           for m in ("sync", "gated", "overlap")}
+    out = dict(device=(torch.cuda.get_device_name(0) if cuda else "cpu") + f" x{world}", mix=args.mix,
+               modes=results, predicted_gain=predicted, mean_gain=1 - results["overlap"]["mean"] / off,
+               p90_gain=1 - results["overlap"]["p90"] / off90, gate=gate_info,
+               gated_steps={m: f"{v} of {args.steps * args.rounds}" for m, v in gated_slots.items()})
+    out["gains"] = {m: dict(mean=1 - results[m]["mean"] / off, p90=1 - results[m]["p90"] / off90)
+                    for m in order[1:]}
+    out["never_slower"] = {m: bool(results[m]["mean"] <= off and results[m]["p90"] <= off90) for m in order[1:]}
     out["gain_over_ideal"] = out["mean_gain"] / predicted if predicted else None
     out["sync_exchange"] = sync_exchange
     out["per_round"] = per_round
@@ -192,11 +213,10 @@ def main():
                 print("allocator:", r)
                 continue
             print(f"{m:10} {r['mean']:8.2f} {r['p50']:8.2f} {r['p90']:8.2f} {r['p99']:8.2f}")
-        print(f"predicted ideal gain {predicted:.1%}; measured mean gain overlap {out['mean_gain']:.1%}, "
-              f"sync {out['mean_gain_sync']:.1%}, gated {out['mean_gain_gated']:.1%}; p90 gain overlap "
-              f"{out['p90_gain']:.1%}, sync {out['p90_gain_sync']:.1%}, gated {out['p90_gain_gated']:.1%}; "
-              f"gain / ideal {out['gain_over_ideal']:.2f}")
-        print("gate:", gate, "gated steps:", out["gated_steps"], "never slower (mean and p90):", out["never_slower"])
+        print(f"predicted ideal gain {predicted:.1%}; gain / ideal (overlap, mean) {out['gain_over_ideal']:.2f}")
+        for m, g in out["gains"].items():
+            print(f"  {m:13} mean gain {g['mean']:6.1%}  p90 gain {g['p90']:6.1%}  never slower: {out['never_slower'][m]}")
+        print("gate:", gate_info, "gated steps:", out["gated_steps"])
         print("synchronous exchange inside the steps:", sync_exchange)
         for r in per_round:
             print(f"  round {r['round']} {r['mode']:8} mean {r['mean_ms']:8.2f} ms  max {r['max_ms']:8.2f} ms")
