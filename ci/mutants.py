@@ -65,8 +65,8 @@ MUTATIONS = [
              "key = (np.zeros((slots, 1), dtype=np.int64) + pos).reshape(-1)"),
     # 3a. Received pieces of the other sources concatenated in descending source order.
     Mutation("exchange receive sources reversed", "reorder/exchange.py",
-             "sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if q != r]",
-             "sources = [shards[s][0]] + [pieces[q, s] for q in reversed(range(dp)) if q != r]"),
+             "sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]",
+             "sources = [shards[s][0]] + [pieces[q, s] for q in reversed(range(dp)) if (q, s) in pieces]"),
     # 3b. Within one source, arrival order assumed descending instead of ascending.
     Mutation("routes arrival order within source reversed", "reorder/routes.py",
              "idx[from_q] = base + np.arange(int(from_q.sum()))",

@@ -300,56 +300,50 @@ class WindowExchanger:
             mark("assemble")
             return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
 
-        def piece_sizes(natural_ids):
-            """[W] packed bytes of the samples `natural_ids` (flat slot*B + j), per slot."""
-            slot = natural_ids // B
-            sel = flat[natural_ids]
-            n = np.bincount(slot, minlength=W)
-            sums = [np.bincount(slot, weights=sel[:, c], minlength=W).astype(np.int64) for c in (3, 2, 4)]
-            return packing.nbytes_many(layout, n, *sums).tolist()
-
         r = self.grid.rank
-        send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
-        send_sizes = [piece_sizes(ids) for ids in send_nat]
-        recv_sizes = [piece_sizes(ids) for ids in routes.recv_natural]
-        device = shards[0][0].dense[("input_ids",)].device
-        send = torch.empty(sum(map(sum, send_sizes)), dtype=torch.uint8, device=device)
-        off = 0
-        for q in range(dp):
-            ids = routes.send_index[q]
-            for s in range(W):
-                local_idx = ids[ids // b == s] % b
-                size = send_sizes[q][s]
-                if size:
-                    written = packing.pack(layout, shards[s][0], local_idx, send[off:off + size], blobs=shards[s][1])
-                    assert written == size, (written, size)
-                off += size
-        mark("pack")
-        if moved.any():
-            recv = self.collectives.all_to_all(send, [sum(x) for x in send_sizes], [sum(x) for x in recv_sizes])
-        else:  # identical decision on every rank: nothing moves anywhere, skip the collective
-            recv = send
-        if len(recv) != sum(map(sum, recv_sizes)):
-            raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {sum(map(sum, recv_sizes))}")
-        mark("all_to_all")
-        pieces, off = {}, 0
-        for q in range(dp):
-            ids = routes.recv_natural[q]
-            for s in range(W):
-                sel = flat[ids[ids // B == s]]
-                size = recv_sizes[q][s]
-                pieces[q, s] = packing.unpack(layout, recv[off:off + size], len(sel), torch.from_numpy(sel[:, 3]),
-                                              torch.from_numpy(sel[:, 2]), sel[:, 4])
-                off += size
+        pieces, sent = {}, 0
+        if moved.any():  # the same decision on every rank: if nothing changes rank, skip the transfer
+            send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
+            send_sizes = _piece_sizes(layout, flat, send_nat, W, B)
+            recv_sizes = _piece_sizes(layout, flat, routes.recv_natural, W, B)
+            device = shards[0][0].dense[("input_ids",)].device
+            send = torch.empty(int(send_sizes.sum()), dtype=torch.uint8, device=device)
+            off = 0
+            for q in range(dp):
+                ids = routes.send_index[q]
+                for s in range(W):
+                    size = int(send_sizes[q, s])
+                    if size:
+                        written = packing.pack(layout, shards[s][0], ids[ids // b == s] % b, send[off:off + size],
+                                               blobs=shards[s][1])
+                        assert written == size, (written, size)
+                    off += size
+            mark("pack")
+            recv = self.collectives.all_to_all(send, send_sizes.sum(axis=1).tolist(), recv_sizes.sum(axis=1).tolist())
+            if len(recv) != int(recv_sizes.sum()):
+                raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {int(recv_sizes.sum())}")
+            sent = len(send)
+            mark("all_to_all")
+            off = 0
+            for q in range(dp):
+                ids = routes.recv_natural[q]
+                for s in range(W):
+                    sel = flat[ids[ids // B == s]]
+                    size = int(recv_sizes[q, s])
+                    if len(sel):
+                        pieces[q, s] = packing.unpack(layout, recv[off:off + size], len(sel),
+                                                      torch.from_numpy(sel[:, 3]), torch.from_numpy(sel[:, 2]),
+                                                      sel[:, 4])
+                    off += size
         out = []
         for s in range(W):
-            sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if q != r]
+            sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]
             g = routes.gather[s]
             if len(np.unique(g)) != b or g.min() < 0 or g.max() >= sum(x.n for x in sources):
                 raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
             out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
         mark("assemble")
-        return out, self._report(layout, flat, costs, orders, moved, gated, int(len(send)), plan_ms, t0, marks)
+        return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
 
     def _moved(self, orders) -> np.ndarray:
         """bool: which natural samples change rank (with cross_slot: change (slot, rank))."""
@@ -455,6 +449,16 @@ class WindowExchanger:
                               plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
                               gated_slots=int(gated.sum()), shadow=self.shadow)
         return out, report
+
+
+def _piece_sizes(layout, flat: np.ndarray, natural_ids: list, W: int, B: int) -> np.ndarray:
+    """int64 [peers, W]: packed bytes of the samples natural_ids[q] (flat slot*B + j) per slot."""
+    ids = np.concatenate(natural_ids)
+    key = np.concatenate([q * W + x // B for q, x in enumerate(natural_ids)])
+    sel = flat[ids]
+    n = len(natural_ids) * W
+    sums = [np.bincount(key, weights=sel[:, c], minlength=n).astype(np.int64) for c in (3, 2, 4)]
+    return packing.nbytes_many(layout, np.bincount(key, minlength=n), *sums).reshape(len(natural_ids), W)
 
 
 def orders_moved(orders: np.ndarray, dp: int) -> np.ndarray:

@@ -100,10 +100,15 @@ def _split(shape: tuple, batch_dim: int, itemsize: int) -> tuple:
 def _words(t: torch.Tensor, batch_dim: int, word: torch.dtype) -> torch.Tensor:
     """[pre, n, post_bytes / word size] view of contiguous `t` (n = samples or entries along batch_dim)."""
     pre, post = _split(tuple(t.shape), batch_dim, t.dtype.itemsize)
-    return t.reshape(-1).view(torch.uint8).view(word).view(pre, t.shape[batch_dim], post // word.itemsize)
+    n = t.shape[batch_dim]
+    if t.dim() > batch_dim + 1 and (t.shape[-1] * t.dtype.itemsize) % word.itemsize == 0:
+        return t.view(word).view(pre, n, post // word.itemsize)  # the common case: two views
+    return t.reshape(-1).view(torch.uint8).view(word).view(pre, n, post // word.itemsize)
 
 
 def _from_words(w: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if w.dtype.itemsize % dtype.itemsize == 0 and w.shape[-1]:
+        return w.view(dtype).view(shape)
     return w.view(torch.uint8).view(dtype).view(shape)
 
 
