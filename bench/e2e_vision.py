@@ -9,10 +9,11 @@ are all-reduced (NCCL), as in data-parallel training. Every mode replays the sam
 micro-batches (a named image-size mix, pinned host memory). Reported per mode: step time mean, p50,
 p90, p99 (rank 0's clock; the all-reduce makes every step as slow as the slowest rank), and the gain
 predicted from the cost balance (1 - sum of max per-rank patches after / before) next to the measured
-mean gain. The gate is calibrated in the same run: each rank's own compute time is fitted
+mean gain. The "+gate" modes are calibrated in the same run: each rank's own compute time is fitted
 (non-negative least squares, reorder.calibrate) on patches, per-image patches^2 and images, which
-gives a cost model in ms; min_saving is the synchronous exchange's median ms (rank 0's figure, the
-same on both ranks), so a micro-batch moves only when its predicted saving exceeds the exchange.
+gives a cost model in ms (the planner then balances the fitted time); min_saving is the synchronous
+exchange's median ms (rank 0's figure, the same on both ranks), so a micro-batch moves only when its
+predicted saving exceeds the exchange.
 Without a GPU it runs on CPU/Gloo as a smoke test.
 """
 
@@ -130,6 +131,8 @@ def main():
     gate = {}
 
     def run(mode, calibrate=False):
+        """Steps of one mode; returns (step ms after the warm-up steps, reports). calibrate: record
+        this rank's compute time and features of every step after the warm-up steps."""
         if mode == "off":
             it = iter(shares)
             buf = None
@@ -144,7 +147,7 @@ def main():
         for k in range(n):
             sync()
             t = time.perf_counter()
-            step(next(it), calibrate)
+            step(next(it), calibrate and k >= args.warmup)
             sync()
             times.append((time.perf_counter() - t) * 1e3)
         reports = list(buf.reports) if buf is not None else []
@@ -152,21 +155,22 @@ def main():
             buf.close()
         return times[args.warmup:], reports
 
-    # warm passes (every batch shape of every mode seen once) that also measure the gate's inputs:
+    # warm passes (every batch shape of every mode seen once), then the gate's inputs:
     # per-rank compute time ~ patches, patches^2 and images (non-negative least squares over both
     # ranks) gives a cost model in ms; the synchronous exchange's median time is the threshold
-    run("off", calibrate=True)
+    run("off")
     _, sync_reports = run("sync")
     run("overlap")
+    run("off", calibrate=True)  # on the warm model only: first-time costs would dominate the fit
     everyone = [None] * world
     dist.all_gather_object(everyone, compute, group=groups.main.meta_group)
     rows = np.array([r for rank_rows in everyone for r in rank_rows])
     fit = fit_cost_weights(rows[:, :3], rows[:, 3], names=("patches", "square_patches", "images"))
     ex_ms = torch.tensor([float(np.median([r.exchange_ms for r in sync_reports[args.warmup:]]))], dtype=torch.float64)
     dist.broadcast(ex_ms, 0, group=groups.main.meta_group)  # rank 0's figure: one threshold everywhere
-    w_p, w_sq = fit.weights["patches"], fit.weights["square_patches"]
-    gate.update(cost=CostModel(encoder_weight=w_p if w_p or w_sq else 1e-12, encoder_quadratic_weight=w_sq),
-                min_saving=float(ex_ms))
+    w_p, w_sq, w_img = fit.weights["patches"], fit.weights["square_patches"], fit.weights["images"]
+    gate.update(cost=CostModel(encoder_weight=w_p if w_p or w_sq or w_img else 1e-12, encoder_quadratic_weight=w_sq,
+                               encoder_image_weight=w_img), min_saving=float(ex_ms))
     gate_info = dict(fit_ms_per_patch=w_p, fit_ms_per_patch2=w_sq, fit_ms_per_image=fit.weights["images"],
                      fit_intercept_ms=fit.intercept, fit_r2=fit.r2, min_saving_ms=float(ex_ms))
     run("sync+gate")

@@ -48,7 +48,7 @@ class Mutation:
 # the distributed path's cost line (the dp == 1 path `_local` has the same line after `counts.numpy()`)
 EXCHANGE_COSTS = ("# natural order per slot\n"
                   "        t_plan = time.perf_counter()\n"
-                  "        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5])")
+                  "        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])")
 
 MUTATIONS = [
     # 1. LPT visit order (-cost, -index) instead of (-cost, index): ties broken the wrong way.

@@ -15,20 +15,22 @@ import torch
 
 from reorder.cost import CostModel
 
-FEATURES = ("patches", "square_patches", "tokens", "square_tokens")
+FEATURES = ("patches", "square_patches", "tokens", "square_tokens", "images")
 
 
 def micro_batch_features(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                          cost: CostModel | None = None) -> np.ndarray:
-    """float64 [4]: summed patches, per-image patches^2, real tokens and tokens^2 of one micro-batch."""
+    """float64 [5]: summed patches, per-image patches^2, real tokens, tokens^2 and images
+    (vision-start tokens) of one micro-batch."""
     cost = cost or CostModel()
-    p, r, _ = CostModel(encoder_weight=1.0, image_token_id=cost.image_token_id,
+    p, r, images = CostModel(encoder_weight=1.0, image_token_id=cost.image_token_id,
                         vision_start_token_id=cost.vision_start_token_id,
                         spatial_merge_size=cost.spatial_merge_size).token_counts(input_ids, attention_mask)
     sq = cost.square_patches(input_ids)
     merge2 = cost.spatial_merge_size ** 2
     r = r.to(torch.float64)
-    return np.array([float(p.sum()) * merge2, float(sq.sum()), float(r.sum()), float((r * r).sum())])
+    return np.array([float(p.sum()) * merge2, float(sq.sum()), float(r.sum()), float((r * r).sum()),
+                     float(images.sum())])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +47,7 @@ class Fit:
         w = self.weights
         return CostModel(encoder_weight=w.get("patches", 0.0), encoder_quadratic_weight=w.get("square_patches", 0.0),
                          language_weight=w.get("tokens", 0.0), language_quadratic_weight=w.get("square_tokens", 0.0),
+                         encoder_image_weight=w.get("images", 0.0),
                          **kwargs)
 
 

@@ -39,6 +39,7 @@ class ReorderConfig:
     cross_slot: bool = False  # balance over the whole window (valid only with window-level loss normalization)
     encoder_quadratic_weight: float = 0.0  # cost per (patches of one image)**2 (full-attention ViT)
     language_quadratic_weight: float = 0.0  # cost per real_tokens**2
+    encoder_image_weight: float = 0.0  # cost per image (fixed per-image encoder work)
     min_gain: float | None = None  # cost-benefit gate: relative gain a micro-batch must exceed to move
     min_saving: float | None = None  # cost-benefit gate: saving (cost units) a micro-batch must exceed to move
 
@@ -52,7 +53,7 @@ class ReorderConfig:
                              "megatron_mimo_scalable_dp=True: reordering balances the 1/dp shares of "
                              "scalable reads; set both (flag --intra-microbatch-reorder does)")
         for name in ("megatron_mimo_reorder_encoder_cost_weight",
-                     "megatron_mimo_reorder_language_cost_weight", "encoder_quadratic_weight",
+                     "megatron_mimo_reorder_language_cost_weight", "encoder_quadratic_weight", "encoder_image_weight",
                      "language_quadratic_weight"):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
@@ -165,6 +166,8 @@ def add_reorder_args(parser: argparse.ArgumentParser):
                    default=d.encoder_quadratic_weight, help="cost per (patches of one image)^2")
     g.add_argument("--reorder-language-quadratic-weight", dest="language_quadratic_weight", type=float,
                    default=d.language_quadratic_weight, help="cost per (real tokens)^2")
+    g.add_argument("--reorder-encoder-image-weight", dest="encoder_image_weight", type=float,
+                   default=d.encoder_image_weight, help="cost per image (fixed per-image encoder work)")
     g.add_argument("--reorder-cross-slot", dest="cross_slot", action="store_true",
                    help="balance over the W micro-batches of a window (samples may change micro-batch; only "
                         "with one optimizer step per window and loss normalized over the global batch)")

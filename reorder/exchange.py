@@ -28,7 +28,7 @@ from reorder.routes import window_routes
 
 MAGIC = 0x52454F52  # "REOR"
 HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
-          "encoder_quadratic_weight", "language_quadratic_weight",
+          "encoder_quadratic_weight", "language_quadratic_weight", "encoder_image_weight",
           "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size",
           "shadow", "cross_slot", "min_gain", "min_saving")
 TEXT_BYTES = 1024
@@ -196,7 +196,7 @@ class WindowExchanger:
         c = self.cost
         return [MAGIC, int(error), slots, self.global_batch, self.grid.groups, self.grid.dp,
                 _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), _f64_bits(c.encoder_quadratic_weight),
-                _f64_bits(c.language_quadratic_weight), c.spatial_merge_size, c.image_token_id,
+                _f64_bits(c.language_quadratic_weight), _f64_bits(c.encoder_image_weight), c.spatial_merge_size, c.image_token_id,
                 c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
                 self.window_size, int(self.shadow), int(self.cross_slot),
                 _f64_bits(-1.0 if self.min_gain is None else self.min_gain),
@@ -285,7 +285,7 @@ class WindowExchanger:
         counts = gathered[:, len(HEADER) + TEXT_BYTES // 8:].reshape(dp, self.window_size, b, COLS)[:, :W]
         counts = counts.permute(1, 0, 2, 3).reshape(W, B, COLS).numpy()  # natural order per slot
         t_plan = time.perf_counter()
-        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5])
+        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)
         cross = self.cross_slot and W > 1
         routes = None if cross else window_routes(orders, dp, self.grid.rank)
@@ -429,7 +429,7 @@ class WindowExchanger:
         layout, shards, counts = local
         counts = counts.numpy()
         t_plan = time.perf_counter()
-        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5])
+        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         cross = self.cross_slot and len(batches) > 1

@@ -68,7 +68,8 @@ def check_window(global_batches, results: dict, *, cost: CostModel, balancer: st
         rows = []
         for g in global_batches:
             counts = cost.token_counts(g["input_ids"], g["attention_mask"] if "attention_mask" in fields else None)
-            rows.append(cost.costs(counts[0].numpy(), counts[1].numpy()))
+            sq = cost.square_patches(g["input_ids"]).numpy() if cost.encoder_quadratic_weight else None
+            rows.append(cost.costs(counts[0].numpy(), counts[1].numpy(), sq, counts[2].numpy()))
         costs[name] = np.stack(rows)
     checks.check_modules(global_batches, held, {m: [rep.orders for rep in res.reports] for m, res in results.items()},
                          costs, dps, groups=groups, balancer=balancer)

@@ -257,6 +257,7 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     cost = CostModel(encoder_weight=cfg.encoder_weight, language_weight=cfg.language_weight,
                      encoder_quadratic_weight=cfg.encoder_quadratic_weight,
                      language_quadratic_weight=cfg.language_quadratic_weight,
+                     encoder_image_weight=cfg.encoder_image_weight,
                      image_token_id=cfg.image_token_id, vision_start_token_id=cfg.vision_start_token_id,
                      spatial_merge_size=cfg.spatial_merge_size)
     ex = WindowExchanger(grid=rg.grid, global_batch=global_batch, cost=cost, balancer=cfg.balancer,

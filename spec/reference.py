@@ -42,10 +42,13 @@ def natural_rank(index, batch, dp):
 
 
 def sample_cost(input_ids_row, attention_row, *, image_token_id, spatial_merge_size,
-                encoder_weight, language_weight, encoder_quadratic_weight=0.0, language_quadratic_weight=0.0):
+                encoder_weight, language_weight, encoder_quadratic_weight=0.0, language_quadratic_weight=0.0,
+                encoder_image_weight=0.0, vision_start_token_id=None):
     """encoder_weight * patches + encoder_quadratic_weight * sum of per-image patches^2
+    + encoder_image_weight * vision-start tokens
     + language_weight * real tokens + language_quadratic_weight * real tokens^2, for one sample
-    (patches = placeholders * merge^2; one image = one run of consecutive placeholder tokens)."""
+    (patches = placeholders * merge^2; for the quadratic term one image = one run of consecutive
+    placeholder tokens)."""
     merge2 = spatial_merge_size * spatial_merge_size
     placeholders, runs, run = 0, [], 0
     for t in list(input_ids_row) + [None]:
@@ -58,6 +61,8 @@ def sample_cost(input_ids_row, attention_row, *, image_token_id, spatial_merge_s
     cost = encoder_weight * float(placeholders * merge2)
     if encoder_quadratic_weight != 0:
         cost = cost + encoder_quadratic_weight * float(sum((k * merge2) ** 2 for k in runs))
+    if encoder_image_weight != 0:
+        cost = cost + encoder_image_weight * float(sum(1 for t in input_ids_row if t == vision_start_token_id))
     real = 0
     for m in attention_row or []:
         if m:

@@ -108,6 +108,7 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(self.err(megatron_mimo_reorder_overlap="no"), """megatron_mimo_reorder_overlap='no': must be a bool""")
         self.assertExpectedInline(self.err(image_token_id=7, vision_start_token_id=7), """image_token_id=7 equals vision_start_token_id=7: they must be different tokens""")
         self.assertIn("balancer='nope'", self.err(balancer="nope"))
+        self.assertExpectedInline(self.err(encoder_image_weight=-1), """encoder_image_weight=-1: must be a finite number >= 0""")
         self.assertExpectedInline(self.err(min_gain=1.0), """min_gain=1.0: must be a finite number >= 0 and < 1 (or unset)""")
         self.assertExpectedInline(self.err(min_saving=-3), """min_saving=-3: must be a finite number >= 0 (or unset)""")
         self.assertExpectedInline(self.err(min_saving=float("nan")), """min_saving=nan: must be a finite number >= 0 (or unset)""")
@@ -138,6 +139,7 @@ def test_shadow_flag_round_trip():
     assert ReorderConfig.from_args(p.parse_args(["--reorder-cross-slot"])).cross_slot is True
     c = ReorderConfig.from_args(p.parse_args(["--reorder-min-gain", "0.05", "--reorder-min-saving", "2.5"]))
     assert (c.min_gain, c.min_saving) == (0.05, 2.5)
+    assert ReorderConfig.from_args(p.parse_args(["--reorder-encoder-image-weight", "40"])).encoder_image_weight == 40.0
     assert (ReorderConfig().min_gain, ReorderConfig().min_saving) == (None, None)
     assert ReorderConfig().cross_slot is False
     with pytest.raises(ValueError, match="shadow='yes': must be a bool"):

@@ -218,6 +218,27 @@ def test_quadratic_vision_cost_drives_the_plan_on_every_rank():
         assert held == [g["sample_id"].tolist()[i] for i in want]
 
 
+def test_per_image_cost_drives_the_plan_on_both_modules():
+    """encoder_image_weight (fixed work per image, e.g. a per-image attention loop): both modules
+    plan from it identically, equal to the spec's LPT on its per-sample costs."""
+    from spec import reference as ref
+    batches = windows_for(17, 8, 2)
+    cost = CostModel(encoder_weight=1.0, encoder_image_weight=5000.0)
+    res = harness.run_window(batches, {"vision": 2, "language": 4}, cost=cost, window_size=2)
+    harness.check_window(batches, res, cost=cost, balancer="lpt", vision_start_token_id=syn.VISION_START)
+    differs = False
+    for s, g in enumerate(batches):
+        def spec_order(image_weight, g=g):
+            costs = [ref.sample_cost(g["input_ids"][i].tolist(), None, image_token_id=syn.IMAGE_TOKEN,
+                                     spatial_merge_size=2, encoder_weight=1.0, language_weight=0.0,
+                                     encoder_image_weight=image_weight, vision_start_token_id=syn.VISION_START)
+                     for i in range(8)]
+            return ref.lpt_order(costs, 4)
+        assert res["vision"].reports[0].orders[s].tolist() == spec_order(5000.0)
+        differs |= spec_order(5000.0) != spec_order(0.0)
+    assert differs  # the term changes the plan on this data
+
+
 @pytest.mark.parametrize("dps", [(1, 2), (2, 4), (2, 3), (1, 1)], ids=str)
 @pytest.mark.parametrize("slots", [2, 3])
 def test_cross_slot_mode_balances_the_window_and_keeps_every_invariant_but_i7(dps, slots):

@@ -104,20 +104,21 @@ def test_plan_equal_count_and_loads(gc):
 
 
 @given(st.integers(1, 5), st.integers(1, 30), st.floats(0, 2), st.floats(0, 1e-3), st.floats(0, 2),
-       st.floats(0, 1e-3), st.integers(1, 3), st.data())
-def test_quadratic_cost_matches_spec(b, s, ew, eq, lw, lq, merge, data):
-    if not (ew or eq or lw or lq):
+       st.floats(0, 1e-3), st.floats(0, 500), st.integers(1, 3), st.data())
+def test_quadratic_cost_matches_spec(b, s, ew, eq, lw, lq, ei, merge, data):
+    if not (ew or eq or lw or lq or ei):
         ew = 1.0
     ids = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([5, 7, 7, 9]), min_size=s, max_size=s),
                                           min_size=b, max_size=b)))
     mask = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=s, max_size=s), min_size=b, max_size=b)))
     m = CostModel(encoder_weight=ew, language_weight=lw, encoder_quadratic_weight=eq, language_quadratic_weight=lq,
-                  image_token_id=7, vision_start_token_id=9, spatial_merge_size=merge)
-    p, r, _ = m.token_counts(ids, mask)
-    got = m.costs(p.numpy(), r.numpy(), m.square_patches(ids).numpy())
+                  encoder_image_weight=ei, image_token_id=7, vision_start_token_id=9, spatial_merge_size=merge)
+    p, r, images = m.token_counts(ids, mask)
+    got = m.costs(p.numpy(), r.numpy(), m.square_patches(ids).numpy(), images.numpy())
     want = [ref.sample_cost(ids[i].tolist(), mask[i].tolist(), image_token_id=7, spatial_merge_size=merge,
                             encoder_weight=ew, language_weight=lw, encoder_quadratic_weight=eq,
-                            language_quadratic_weight=lq) for i in range(b)]
+                            language_quadratic_weight=lq, encoder_image_weight=ei, vision_start_token_id=9)
+            for i in range(b)]
     assert got.tolist() == want  # bit-exact, runs of placeholders = images
 
 
