@@ -1,8 +1,8 @@
 """Byte-exact sample packing: select samples of shards, pack them into one contiguous uint8 buffer,
 and view them back. A selection is a list of runs of consecutive samples; each field is copied by
-one concatenation of `narrow` views of those runs, reinterpreted as the widest integer word the
-field's bytes allow (so every dtype, float8 and complex included, travels bit-for-bit, at 8 bytes
-per element where possible), never one Python call per sample per field and never an index tensor.
+one concatenation of `narrow` views of those runs (dtypes without a native copy, float8 and complex
+among them, as the widest integer word their bytes allow, so every dtype travels bit-for-bit), never
+one Python call per sample per field and never an index tensor.
 
 Buffer format for n samples (all sizes computable from per-sample metadata alone, see `nbytes`):
 dense fields in layout order, then per-row fields, then per-image fields, then the pickled list
@@ -53,18 +53,14 @@ def runs(index: np.ndarray) -> list:
 
 
 class _Source:
-    """One shard: its fields as contiguous tensors (made on first use) and per-sample entry offsets of
-    its ragged fields, so a run of samples is one `narrow` per field (no index tensor, no
-    host-to-device copy)."""
+    """One shard with the per-sample entry offsets of its ragged fields (made on first use), so a run
+    of samples is one `narrow` per field (no index tensor, no host-to-device copy)."""
 
     def __init__(self, shard: Shard):
-        self.shard, self._fields, self._starts = shard, {}, {}
+        self.shard, self._starts = shard, {}
 
     def tensor(self, path, ragged: bool) -> torch.Tensor:
-        t = self._fields.get(path)
-        if t is None:
-            t = self._fields[path] = (self.shard.ragged if ragged else self.shard.dense)[path].contiguous()
-        return t
+        return (self.shard.ragged if ragged else self.shard.dense)[path]
 
     def entries(self, per: str, a: int, b: int) -> tuple:
         """Entry range (start, length) of samples [a, b) in a per-`per` ragged field."""
@@ -141,12 +137,25 @@ def _gather(views: list, dim: int, out: torch.Tensor | None):
     return out
 
 
+# dtypes torch.cat copies natively on every backend; others (float8, complex, wide unsigned) are
+# reinterpreted as integer words, which also keeps them bit-exact
+_NATIVE = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+           torch.bfloat16, torch.float32, torch.float64}
+
+
 def _field(sources: list, tensor, spans: list, batch_dim: int, shape_of, dtype, region):
     """One field of a selection: `spans` ((source, start, length) along `batch_dim`) of the sources'
     `tensor(source)`, concatenated in order into `region` (a flat uint8 buffer) or a new tensor."""
-    used = {k: tensor(sources[k]) for k in dict.fromkeys(k for k, _, _ in spans)} or {0: tensor(sources[0])}
     n = sum(ln for _, _, ln in spans)
     shape = shape_of(n)
+    if dtype in _NATIVE:  # the common case: one narrow per run and one cat
+        views = [tensor(sources[k]).narrow(batch_dim, s, ln) for k, s, ln in spans if ln]
+        if not views:
+            return torch.empty(shape, dtype=dtype, device=tensor(sources[0]).device) if region is None \
+                else region.view(dtype).view(shape)
+        return _gather(views, batch_dim, None if region is None else region.view(dtype).view(shape))
+    used = {k: tensor(sources[k]).contiguous() for k in dict.fromkeys(k for k, _, _ in spans)} or \
+        {0: tensor(sources[0]).contiguous()}
     pre, post = _split(shape, batch_dim, dtype.itemsize)
     if pre * post == 0 or n == 0:
         first = next(iter(used.values()))
