@@ -11,6 +11,7 @@ entries; each region starts at a multiple of ALIGN bytes so typed views need no 
 
 from __future__ import annotations
 
+import bisect
 import pickle
 
 import numpy as np
@@ -41,15 +42,16 @@ def from_bytes(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return u.view(dtype).squeeze(-1)
 
 
-def runs(index: np.ndarray) -> list:
+def runs(index) -> list:
     """Maximal runs of consecutive indices, in order: [(start, stop), ...] (index ascending by one
     inside a run). A permutation that keeps most samples in place has few runs."""
-    index = np.asarray(index, dtype=np.int64)
-    if len(index) == 0:
-        return []
-    cut = np.flatnonzero(np.diff(index) != 1) + 1
-    starts, stops = np.r_[0, cut], np.r_[cut, len(index)]
-    return list(zip(index[starts].tolist(), (index[stops - 1] + 1).tolist()))
+    out = []
+    for i in np.asarray(index, dtype=np.int64).tolist():
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return [tuple(r) for r in out]
 
 
 class _Source:
@@ -108,16 +110,18 @@ def _from_words(w: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tens
     return w.view(torch.uint8).view(dtype).view(shape)
 
 
-def _source_runs(sizes: list, index: np.ndarray) -> list:
+def _source_runs(sizes: list, index) -> list:
     """Runs of `index` (into the concatenation of sources of `sizes` samples) as
     (source, start, stop) in source-local indices; a run never crosses a source boundary."""
-    bounds = np.cumsum([0] + list(sizes))
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
     out = []
     for a, b in runs(index):
         while a < b:
-            k = int(np.searchsorted(bounds, a, side="right")) - 1
-            end = min(b, int(bounds[k + 1]))
-            out.append((k, a - int(bounds[k]), end - int(bounds[k])))
+            k = bisect.bisect_right(bounds, a) - 1
+            end = min(b, bounds[k + 1])
+            out.append((k, a - bounds[k], end - bounds[k]))
             a = end
     return out
 

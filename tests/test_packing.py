@@ -94,3 +94,10 @@ def test_layout_errors_name_the_field():
                  vision_start_token_id=1)
     with pytest.raises(LayoutError, match="'input_ids' must be a \\[B, S\\] tensor"):
         describe({"labels": torch.zeros(4, 5)}, 4, vision_start_token_id=1)
+
+
+@given(st.lists(st.integers(0, 40), max_size=40))
+def test_runs_are_maximal_and_rebuild_the_index(index):
+    got = packing.runs(index)
+    assert [i for a, b in got for i in range(a, b)] == index
+    assert all(a < b for a, b in got) and all(b1 != a2 for (_, b1), (a2, _) in zip(got, got[1:]))
