@@ -84,9 +84,8 @@ def _f64_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _text_to_int64(text: str) -> torch.Tensor:
-    data = text.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0")
-    return torch.frombuffer(bytearray(data), dtype=torch.int64).clone()
+def _text_to_int64(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), dtype=np.int64)
 
 
 def _int64_to_text(t: torch.Tensor) -> str:
@@ -270,11 +269,13 @@ class WindowExchanger:
             return ([], None) if local is None else self._local(batches, local, t0)
         layout_text = local[0].signature() if local is not None else ""
         text = str(error) if error is not None else layout_text
-        meta = torch.zeros(len(HEADER) + TEXT_BYTES // 8 + self.window_size * b * COLS, dtype=torch.int64)
-        meta[:len(HEADER)] = torch.tensor(self._header(error is not None, W, layout_text), dtype=torch.int64)
-        meta[len(HEADER):len(HEADER) + TEXT_BYTES // 8] = _text_to_int64(text)
+        h, t = len(HEADER), len(HEADER) + TEXT_BYTES // 8
+        meta = np.zeros(t + self.window_size * b * COLS, dtype=np.int64)
+        meta[:h] = self._header(error is not None, W, layout_text)
+        meta[h:t] = _text_to_int64(text)
         if local is not None:
-            meta[len(HEADER) + TEXT_BYTES // 8:len(HEADER) + TEXT_BYTES // 8 + W * b * COLS] = local[2].reshape(-1)
+            meta[t:t + W * b * COLS] = local[2].reshape(-1)
+        meta = torch.from_numpy(meta)
         mark("prepare")
         gathered = self.collectives.all_gather(meta)
         mark("gather")

@@ -149,10 +149,10 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
     if ids.shape[0] != local_batch:
         raise LayoutError(f"field 'input_ids' has {ids.shape[0]} samples, expected B/dp={local_batch}")
     dense, ragged, lists, shard = [], [], [], Shard(n=local_batch)
-    vision = [(p, v) for p, v in _walk(batch) if len(p) >= 3 and p[0] == "modality_inputs"]
-    vision_paths = {p for p, _ in vision}
-    for path, v in _walk(batch):
-        if path in vision_paths:
+    leaves = list(_walk(batch))
+    vision = [(p, v) for p, v in leaves if len(p) >= 3 and p[0] == "modality_inputs"]
+    for path, v in leaves:
+        if len(path) >= 3 and path[0] == "modality_inputs":
             continue
         name = path[-1]
         if isinstance(v, torch.Tensor) and v.dim() >= 1:
