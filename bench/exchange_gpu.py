@@ -33,6 +33,45 @@ def timed(fn, reps):
     return float(np.median(ts))
 
 
+def host_costs(dev, exchange_once):
+    """What one exchange costs the host CPU: aten ops it dispatches (counted once) and the time of a
+    view op, of a kernel launch (no sync) and of a small numpy op on this machine, in microseconds."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        exchange_once()
+    x = torch.zeros(64, 8, device=dev)
+    arr = np.arange(64)
+
+    def per_call_us(fn, n=2000):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        us = (time.perf_counter() - t) / n * 1e6
+        torch.cuda.synchronize()
+        return us
+    return dict(aten_ops_per_exchange=sum(c.ops.values()),
+                kernel_ops_per_exchange=sum(v for k, v in c.ops.items() if not any(
+                    w in k for w in ("view", "slice", "select", "alias", "detach", "squeeze", "unsqueeze",
+                                     "_local_scalar", "lift_fresh", "permute", "expand", "split"))),
+                view_op_us=per_call_us(lambda: x.narrow(0, 1, 2)),
+                launch_us=per_call_us(lambda: torch.cat([x, x])),
+                numpy_op_us=per_call_us(lambda: (arr == 3).sum()))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--per-rank", type=int, nargs="+", default=[8])
@@ -81,6 +120,8 @@ def main():
             pinned = [syn.pin(m) for m in mine]
             a2a_ms = timed(bare, args.reps)
             t_host = timed(lambda: ex.exchange(pinned), args.reps)  # from pinned host batches (H2D inside)
+            if per == args.per_rank[0] and w == args.windows[0]:
+                host = host_costs(dev, lambda: ex.exchange(on_dev))
             meta = torch.zeros(len(HEADER) + TEXT_BYTES // 8 + w * per * COLS, dtype=torch.int64)
             gloo_ms = timed(lambda: groups.main.all_gather(meta), args.reps * 4)  # the metadata step's floor
             rows.append(dict(per_rank=per, window=w, moved_mib=rep.moved_bytes / 2**20, sent_mib=send_bytes / 2**20,
@@ -146,6 +187,7 @@ def main():
                   f"{r['exchange_from_host_ms']:13.2f} {r['plan_ms']:8.3f}")
             print("         stages (ms, synchronized):", {k: round(v, 3) for k, v in r["stage_ms"].items()})
         print("dp-1 local permutation ms:", perm, "micro-batches permuted of 8:", permuted)
+        print("host cost of one exchange (first row):", {k: round(v, 2) for k, v in host.items()})
         print("overlap (W=2):", overlap, "worker alive during stream:", alive)
         if args.json:
             real = next(r for r in rows if r["per_rank"] == 8 and r["window"] == 1) if any(
@@ -155,7 +197,8 @@ def main():
                                exchange_over_a2a=real["ratio"],
                                exchange_fixed_ms=real["exchange_ms"] - real["a2a_ms"],
                                overlap_exposed_fraction=overlap["overlap_exposed_fraction"],
-                               dp1_perm_ms_mb4=perm[4], dp1_perm_ms_mb32=perm[32], dp1_permuted_of_8=permuted),
+                               dp1_perm_ms_mb4=perm[4], dp1_perm_ms_mb32=perm[32], dp1_permuted_of_8=permuted,
+                               host=host),
                           f, indent=2)
     dist.destroy_process_group()
 
