@@ -48,8 +48,16 @@ class CostModel:
         """Integer counts per sample: (placeholders, real_tokens, images), each int64 [B] on CPU."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [B, S]")
+        if input_ids.device.type == "cpu" and (attention_mask is None or attention_mask.device.type == "cpu"):
+            return self._host_counts(input_ids, attention_mask)
+        self._check_mask(attention_mask, input_ids)
         placeholders = (input_ids == self.image_token_id).sum(dim=1)
         images = (input_ids == self.vision_start_token_id).sum(dim=1)
+        real = torch.zeros_like(placeholders) if attention_mask is None else (attention_mask != 0).sum(dim=1)
+        counts = torch.stack([placeholders, real.to(placeholders.dtype), images]).cpu()  # one host sync
+        return counts[0], counts[1], counts[2]
+
+    def _check_mask(self, attention_mask, input_ids):
         if attention_mask is None:
             if self.language_weight > 0 or self.language_quadratic_weight > 0:
                 which = f"language_weight={self.language_weight}"
@@ -57,14 +65,22 @@ class CostModel:
                     which += f", language_quadratic_weight={self.language_quadratic_weight}"
                 raise ValueError(f"attention_mask is missing but {which}: load attention_mask on every rank or "
                                  "set the language cost weights to 0")
-            real = torch.zeros_like(placeholders)
+        elif attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected "
+                             f"[B, S] = {tuple(input_ids.shape)} for the language cost")
+
+    def _host_counts(self, input_ids, attention_mask):
+        """token_counts of host tensors, in numpy (a few microseconds, no torch dispatch)."""
+        self._check_mask(attention_mask, input_ids)
+        ids = input_ids.numpy()
+        placeholders = (ids == self.image_token_id).sum(axis=1, dtype=np.int64)
+        images = (ids == self.vision_start_token_id).sum(axis=1, dtype=np.int64)
+        if attention_mask is None:
+            real = np.zeros_like(placeholders)
         else:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0]:
-                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected "
-                                 f"[B, S] = {tuple(input_ids.shape)} for the language cost")
-            real = (attention_mask != 0).sum(dim=1)
-        counts = torch.stack([placeholders, real.to(placeholders.dtype), images]).cpu()  # one host sync
-        return counts[0], counts[1], counts[2]
+            m = attention_mask if attention_mask.dtype != torch.bfloat16 else attention_mask.float()
+            real = (m.numpy() != 0).sum(axis=1, dtype=np.int64)
+        return torch.from_numpy(placeholders), torch.from_numpy(real), torch.from_numpy(images)
 
     def square_patches(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [B] on CPU: sum over the sample's images (runs of placeholder tokens) of patches**2."""

@@ -154,12 +154,13 @@ class WindowExchanger:
             if layouts and layout != layouts[0]:
                 raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
                                   f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
-            rows = torch.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts
+            placeholders, real, images = placeholders.numpy(), real.numpy(), images.numpy()
+            rows = np.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts.numpy()
             if shard.row_counts is not None:
                 merge2 = self.cost.spatial_merge_size ** 2
-                bad = (placeholders * merge2 != rows).nonzero()
+                bad = np.flatnonzero(placeholders * merge2 != rows)
                 if len(bad):
-                    i = int(bad[0, 0])
+                    i = int(bad[0])
                     raise LayoutError(f"micro-batch {slot} sample {i}: input_ids holds {int(placeholders[i])} image "
                                       f"placeholders (x{merge2} = {int(placeholders[i]) * merge2} patches) but grid_thw "
                                       f"gives it {int(rows[i])} patch rows: image counts are mis-sourced or "
@@ -168,12 +169,14 @@ class WindowExchanger:
                 shard.dense = {k: v.to(self.device, non_blocking=True) for k, v in shard.dense.items()}
                 shard.ragged = {k: v.to(self.device, non_blocking=True) for k, v in shard.ragged.items()}
             blobs = shard.list_blobs()
-            lb = torch.tensor([len(x) for x in blobs], dtype=torch.int64)
             layouts.append(layout)
             shards.append((shard, blobs))
-            sq = self.cost.square_patches(ids) if self.cost.encoder_quadratic_weight else torch.zeros_like(lb)
-            counts.append(torch.stack([placeholders, real, images, rows, lb, sq], dim=1))
-        return layouts[0], shards, torch.stack(counts)
+            sq = self.cost.square_patches(ids).numpy() if self.cost.encoder_quadratic_weight else 0
+            c = np.empty((self.local_batch, COLS), dtype=np.int64)
+            c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 5] = placeholders, real, images, rows, sq
+            c[:, 4] = [len(x) for x in blobs]
+            counts.append(c)
+        return layouts[0], shards, np.stack(counts)
 
     def _plan(self, costs):
         """Per-slot orders [W, B] (slot-local indices), or with cross_slot one order over the window
@@ -428,7 +431,6 @@ class WindowExchanger:
 
     def _local(self, batches, local, t0):
         layout, shards, counts = local
-        counts = counts.numpy()
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)

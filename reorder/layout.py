@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 Path = tuple  # key path inside the batch dict, e.g. ("modality_inputs", "images", "vit", "grid_thw")
@@ -192,16 +193,17 @@ def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, sh
     enc = grid_path[:-1]
     if image_counts is None:
         image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64)
-    n_img = int(image_counts.sum())
+    counts = image_counts.numpy()
+    n_img = int(counts.sum())
     if grid.shape[0] != n_img:
         raise LayoutError(f"field {'/'.join(grid_path)!r} has {grid.shape[0]} images but input_ids holds "
                           f"{n_img} vision-start tokens (id {vision_start_token_id}): image counts are "
                           "mis-sourced or vision_start_token_id is wrong")
-    per_image_rows = grid.to("cpu", torch.int64).prod(dim=1)
-    total_rows = int(per_image_rows.sum())
-    ends = torch.cumsum(image_counts, 0)
-    csum = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_image_rows, 0)])
-    row_counts = csum[ends] - csum[ends - image_counts]
+    csum = np.zeros(n_img + 1, dtype=np.int64)  # patch rows before each image (host arithmetic)
+    np.cumsum(grid.to("cpu", torch.int64).numpy().prod(axis=1), out=csum[1:])
+    total_rows = int(csum[-1])
+    ends = np.cumsum(counts)
+    row_counts = torch.from_numpy(csum[ends] - csum[ends - counts])
     for path, v in vision:
         if path[:-1] != enc:
             raise LayoutError(f"field {'/'.join(path)!r}: only one vision encoder dict is supported "
