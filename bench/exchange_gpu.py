@@ -78,6 +78,7 @@ def main():
     p.add_argument("--windows", type=int, nargs="+", default=[1, 4])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--compute-ms", type=float, default=200.0, help="fake step time for the overlap run")
+    p.add_argument("--profile", action="store_true", help="cProfile 20 synchronous exchanges from pinned host")
     p.add_argument("--json")
     args = p.parse_args()
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(minutes=5))
@@ -97,6 +98,7 @@ def main():
             ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
                                  collectives=groups.main, device=dev)
             out, rep = ex.exchange(on_dev)
+            pinned = [syn.pin(m) for m in mine]
             send_bytes = rep.sent_bytes
             counts = torch.tensor([send_bytes], dtype=torch.int64)
             allc = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -117,11 +119,23 @@ def main():
                                    collectives=groups.main, device=dev, profile_stages=True)
             stages = [prof.exchange(on_dev)[1].stage_ms for _ in range(args.reps)]
             stage_ms = {k: float(np.median([st[k] for st in stages])) for k in stages[0]}
-            pinned = [syn.pin(m) for m in mine]
             a2a_ms = timed(bare, args.reps)
             t_host = timed(lambda: ex.exchange(pinned), args.reps)  # from pinned host batches (H2D inside)
             if per == args.per_rank[0] and w == args.windows[0]:
                 host = host_costs(dev, lambda: ex.exchange(on_dev))
+                if args.profile:  # where the host time of a synchronous exchange goes (rank 0 prints)
+                    import cProfile
+                    import io
+                    import pstats
+                    pr = cProfile.Profile()
+                    pr.enable()
+                    for _ in range(20):
+                        ex.exchange(pinned)
+                    torch.cuda.synchronize()
+                    pr.disable()
+                    text = io.StringIO()
+                    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+                    profile_text = text.getvalue()
             meta = torch.zeros(len(HEADER) + TEXT_BYTES // 8 + w * per * COLS, dtype=torch.int64)
             gloo_ms = timed(lambda: groups.main.all_gather(meta), args.reps * 4)  # the metadata step's floor
             rows.append(dict(per_rank=per, window=w, moved_mib=rep.moved_bytes / 2**20, sent_mib=send_bytes / 2**20,
@@ -188,6 +202,8 @@ def main():
             print("         stages (ms, synchronized):", {k: round(v, 3) for k, v in r["stage_ms"].items()})
         print("dp-1 local permutation ms:", perm, "micro-batches permuted of 8:", permuted)
         print("host cost of one exchange (first row):", {k: round(v, 2) for k, v in host.items()})
+        if args.profile:
+            print(profile_text)
         print("overlap (W=2):", overlap, "worker alive during stream:", alive)
         if args.json:
             real = next(r for r in rows if r["per_rank"] == 8 and r["window"] == 1) if any(

@@ -23,7 +23,7 @@ from reorder.collectives import Collectives
 from reorder.cost import CostModel
 from reorder.grid import Grid, check_global_batch
 from reorder.layout import LayoutError, describe, rebuild
-from reorder.plan import gate_orders, plan_orders, rank_loads
+from reorder.plan import plan_gated_orders, plan_orders, rank_loads
 from reorder.routes import window_routes
 
 MAGIC = 0x52454F52  # "REOR"
@@ -183,16 +183,10 @@ class WindowExchanger:
         (entries are flat natural ids slot*B + j, output slot s = row s)."""
         w, batch = costs.shape
         if self.cross_slot and w > 1:
-            flat = costs.reshape(1, w * batch)
-            order = plan_orders(flat, self.grid.groups * w, self.balancer)
-            gated = np.zeros(1, dtype=bool)
-            if self.min_gain is not None or self.min_saving is not None:
-                order, gated = gate_orders(flat, order, self.grid.groups * w, self.min_gain, self.min_saving)
+            order, gated = plan_gated_orders(costs.reshape(1, w * batch), self.grid.groups * w, self.balancer,
+                                             self.min_gain, self.min_saving)
             return order.reshape(w, batch), np.repeat(gated, w)
-        orders = plan_orders(costs, self.grid.groups, self.balancer)
-        if self.min_gain is None and self.min_saving is None:
-            return orders, np.zeros(len(orders), dtype=bool)
-        return gate_orders(costs, orders, self.grid.groups, self.min_gain, self.min_saving)
+        return plan_gated_orders(costs, self.grid.groups, self.balancer, self.min_gain, self.min_saving)
 
     def _header(self, error: bool, slots: int, layout_text: str) -> list:
         c = self.cost

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reorder.balancers import get_balancer
+from reorder.balancers import get_balancer, lower_bound
 from reorder.grid import check_global_batch
 
 
@@ -50,3 +50,28 @@ def gate_orders(costs: np.ndarray, orders: np.ndarray, groups: int, min_gain: fl
     out = np.array(orders, dtype=np.int64, copy=True)
     out[gated] = np.arange(costs.shape[1], dtype=np.int64)
     return out, gated
+
+
+def plan_gated_orders(costs: np.ndarray, groups: int, balancer: str, min_gain: float | None = None,
+                      min_saving: float | None = None):
+    """plan_orders then gate_orders, with the same result, but slots that cannot pay are not planned:
+    a plan's saving is at most max_before - (a proven lower bound on the optimal max load), so a
+    slot whose bound already fails the gate keeps its natural order unplanned (a gated window costs
+    almost nothing). The bound is a float sum like the loads (exact for integer costs), and every
+    rank computes the same one. Returns (orders [W, B], bool [W] gated)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    w, batch = costs.shape
+    if min_gain is None and min_saving is None:
+        return plan_orders(costs, groups, balancer), np.zeros(w, dtype=bool)
+    before = rank_loads(costs, None, groups).max(axis=1)
+    bound = np.array([lower_bound(c, groups) for c in costs])
+    hopeless = np.zeros(w, dtype=bool)
+    if min_saving is not None:
+        hopeless |= before - bound <= min_saving
+    if min_gain is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            hopeless |= np.where(before > 0, 1 - bound / before, 0.0) <= min_gain
+    orders = np.tile(np.arange(batch, dtype=np.int64), (w, 1))
+    if not hopeless.all():
+        orders[~hopeless] = plan_orders(costs[~hopeless], groups, balancer)
+    return gate_orders(costs, orders, groups, min_gain, min_saving)

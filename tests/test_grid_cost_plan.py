@@ -129,3 +129,20 @@ def test_quadratic_cost_golden():
     assert m.square_patches(ids).tolist() == [208, 0]
     with pytest.raises(ValueError, match="needs square_patches"):
         m.costs([5, 0], [0, 0])
+
+
+@given(st.integers(1, 3), st.sampled_from([(2, 2), (2, 4), (4, 2), (3, 3), (2, 8)]), st.data(),
+       st.one_of(st.none(), st.floats(0, 0.5)), st.one_of(st.none(), st.floats(0, 50)))
+def test_planning_only_slots_that_can_pay_changes_nothing(w, shape, data, min_gain, min_saving):
+    """plan_gated_orders skips planning slots whose lower bound already fails the gate: same result
+    as planning every slot and then gating."""
+    from reorder.plan import gate_orders, plan_gated_orders
+    groups, m = shape
+    costs = np.array(data.draw(st.lists(st.lists(st.integers(0, 30), min_size=groups * m, max_size=groups * m),
+                                        min_size=w, max_size=w)), dtype=np.float64)
+    want = gate_orders(costs, plan_orders(costs, groups, "balanced"), groups, min_gain, min_saving) \
+        if (min_gain is not None or min_saving is not None) else (plan_orders(costs, groups, "balanced"), None)
+    got = plan_gated_orders(costs, groups, "balanced", min_gain, min_saving)
+    assert np.array_equal(got[0], want[0])
+    if want[1] is not None:
+        assert np.array_equal(got[1], want[1])
