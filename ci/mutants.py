@@ -85,8 +85,8 @@ MUTATIONS = [
              "merge2 = float(self.spatial_merge_size)"),
     # 5b. real-token count includes padding.
     Mutation("cost attention mask counts padding", "reorder/cost.py",
-             "real = (attention_mask != 0).sum(dim=1)",
-             "real = (attention_mask >= 0).sum(dim=1)"),
+             "real = (m.numpy() != 0).sum(axis=1, dtype=np.int64)",
+             "real = (m.numpy() >= 0).sum(axis=1, dtype=np.int64)"),
     # 6. owner of a canonical group round-robin (modulo) instead of contiguous blocks (division).
     Mutation("grid owner modulo instead of division", "reorder/grid.py",
              "return group // self.groups_per_rank",

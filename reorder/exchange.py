@@ -333,6 +333,9 @@ class WindowExchanger:
                                                       torch.from_numpy(sel[:, 3]), torch.from_numpy(sel[:, 2]),
                                                       sel[:, 4])
                     off += size
+        else:
+            mark("pack")
+            mark("all_to_all")
         out = []
         for s in range(W):
             sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]

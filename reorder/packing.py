@@ -126,10 +126,6 @@ def _source_runs(sizes: list, index) -> list:
     return out
 
 
-def _cat(tensors, dim):
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
-
-
 def _gather(views: list, dim: int, out: torch.Tensor | None):
     """Concatenate `views` along `dim` into `out` (or a new tensor); one copy kernel per field."""
     if out is None:
@@ -184,10 +180,11 @@ def _select(layout: BatchLayout, sources: list, pieces: list, regions=None) -> S
         out.dense[f.path] = _field(sources, lambda src, f=f: src.tensor(f.path, False), spans, f.batch_dim,
                                    f.full_shape, f.dtype, None if regions is None else regions[f.path])
     if layout.ragged:
-        rows = [sources[k].shard.row_counts[a:b] for k, a, b in pieces]
-        imgs = [sources[k].shard.image_counts[a:b] for k, a, b in pieces]
-        out.row_counts = _cat(rows, 0) if rows else torch.zeros(0, dtype=torch.int64)
-        out.image_counts = _cat(imgs, 0) if imgs else torch.zeros(0, dtype=torch.int64)
+        if regions is None:  # a packed buffer carries no counts: the receiver has them from the metadata
+            rows = [sources[k].shard.row_counts.numpy()[a:b] for k, a, b in pieces]
+            imgs = [sources[k].shard.image_counts.numpy()[a:b] for k, a, b in pieces]
+            out.row_counts = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
+            out.image_counts = torch.from_numpy(np.concatenate(imgs) if imgs else np.zeros(0, dtype=np.int64))
         for f in layout.ragged:
             entry = [(k, *sources[k].entries(f.per, a, b)) for k, a, b in pieces]
             out.ragged[f.path] = _field(sources, lambda src, f=f: src.tensor(f.path, True), entry, 0,
