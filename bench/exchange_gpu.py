@@ -33,6 +33,14 @@ def timed(fn, reps):
     return float(np.median(ts))
 
 
+def _tensors(batch):
+    if isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, torch.Tensor):
+        yield batch
+
+
 def host_costs(dev, exchange_once):
     """What one exchange costs the host CPU: aten ops it dispatches (counted once) and the time of a
     view op, of a kernel launch (no sync) and of a small numpy op on this machine, in microseconds."""
@@ -78,6 +86,7 @@ def main():
     p.add_argument("--windows", type=int, nargs="+", default=[1, 4])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--compute-ms", type=float, default=200.0, help="fake step time for the overlap run")
+    p.add_argument("--dp1-sizes", type=int, nargs="+", default=[4, 32], help="micro-batch sizes of the dp-1 run")
     p.add_argument("--profile", action="store_true", help="cProfile 20 synchronous exchanges from pinned host")
     p.add_argument("--json")
     args = p.parse_args()
@@ -97,7 +106,7 @@ def main():
             on_dev = [syn.to_device(m, dev) for m in mine]
             ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
                                  collectives=groups.main, device=dev)
-            out, rep = ex.exchange(on_dev)
+            _, rep = ex.exchange(on_dev)
             pinned = [syn.pin(m) for m in mine]
             send_bytes = rep.sent_bytes
             counts = torch.tensor([send_bytes], dtype=torch.int64)
@@ -145,7 +154,7 @@ def main():
     # dp-1 local permutation (no communication) on device-resident micro-batches: 8 different
     # micro-batches in turn (the plan permutes some, keeps others in natural order: both are timed)
     perm, permuted = {}, {}
-    for mb in (4, 32):
+    for mb in args.dp1_sizes:
         rng = np.random.default_rng(7)
         gs = [syn.to_device(syn.make_global_batch(rng, mb, 4096, features=1176, mix="large"), dev) for _ in range(8)]
         loc = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), global_batch=mb, cost=cost,
@@ -162,18 +171,26 @@ def main():
                                  world, me) for k in range(8)]
     stream_src = [syn.pin(m) for m in stream_src]
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    prod = torch.empty_like(a)  # preallocated: the fake step allocates nothing, so the peak below is reorder's
     for _ in range(5):
-        a @ a
+        torch.matmul(a, a, out=prod)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(10):
-        a @ a
+        torch.matmul(a, a, out=prod)
     torch.cuda.synchronize()
     mm_ms = (time.perf_counter() - t) * 100
     n_mm = max(1, int(args.compute_ms / mm_ms))
     ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w, collectives=groups.side,
                          device=dev)
     exposed, steps = [], []
+    window_bytes = max(sum(t.numel() * t.element_size() for k in range(j, j + w) for t in _tensors(stream_src[k]))
+                       for j in range(0, len(stream_src), w))
+    rep = on_dev = gs = None  # nothing of the earlier measurements stays on the device
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
     with ReorderingBuffer(iter(stream_src), ex, overlap=True) as buf:
         it = iter(buf)
         next(it)
@@ -181,7 +198,7 @@ def main():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n_mm):
-                a @ a
+                torch.matmul(a, a, out=prod)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             mb = next(it)
@@ -190,8 +207,12 @@ def main():
             exposed.append((t2 - t1) * 1e3)
             steps.append((t2 - t0) * 1e3)
         alive = buf.worker_alive
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(dev) - base  # windows resident + exchange buffers in flight
     overlap = dict(exposed_ms_median=float(np.median(exposed)), step_ms_median=float(np.median(steps)),
-                   overlap_exposed_fraction=float(np.median(exposed) / np.median(steps)))
+                   overlap_exposed_fraction=float(np.median(exposed) / np.median(steps)),
+                   gpu_peak_mib=peak / 2**20, window_mib=window_bytes / 2**20,
+                   gpu_peak_in_windows=peak / window_bytes)
     if me == 0:
         print(f"{'per rank':>8} {'W':>2} {'moved MiB':>10} {'exchange ms':>12} {'bare a2a ms':>12} {'ratio':>7} "
               f"{'target ms':>10} {'gloo ms':>8} {'from host ms':>13} {'plan ms':>8}")
@@ -213,7 +234,7 @@ def main():
                                exchange_over_a2a=real["ratio"],
                                exchange_fixed_ms=real["exchange_ms"] - real["a2a_ms"],
                                overlap_exposed_fraction=overlap["overlap_exposed_fraction"],
-                               dp1_perm_ms_mb4=perm[4], dp1_perm_ms_mb32=perm[32], dp1_permuted_of_8=permuted,
+                               dp1_perm_ms_mb4=perm.get(4), dp1_perm_ms_mb32=perm.get(32), dp1_permuted_of_8=permuted,
                                host=host),
                           f, indent=2)
     dist.destroy_process_group()
