@@ -22,13 +22,18 @@ from reorder.dist import build_groups
 from reorder.exchange import COLS, HEADER, TEXT_BYTES
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, reps):
     ts = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         ts.append((time.perf_counter() - t) * 1e3)
     return float(np.median(ts))
 
@@ -64,12 +69,12 @@ def host_costs(dev, exchange_once):
 
     def per_call_us(fn, n=2000):
         fn()
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         for _ in range(n):
             fn()
         us = (time.perf_counter() - t) / n * 1e6
-        torch.cuda.synchronize()
+        _sync()
         return us
     return dict(aten_ops_per_exchange=sum(c.ops.values()),
                 kernel_ops_per_exchange=sum(v for k, v in c.ops.items() if not any(
@@ -86,14 +91,22 @@ def main():
     p.add_argument("--windows", type=int, nargs="+", default=[1, 4])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--compute-ms", type=float, default=200.0, help="fake step time for the overlap run")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--features", type=int, default=1176, help="vision features per patch row (bf16)")
+    p.add_argument("--mix", default="large", help="image-size mix (reorder.synthetic.SIZE_MIXES)")
+    p.add_argument("--matmul", type=int, default=8192, help="side of the fake compute step's square matmul")
     p.add_argument("--dp1-sizes", type=int, nargs="+", default=[4, 32], help="micro-batch sizes of the dp-1 run")
     p.add_argument("--profile", action="store_true", help="cProfile 20 synchronous exchanges from pinned host")
     p.add_argument("--json")
     args = p.parse_args()
-    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(minutes=5))
+    cuda = torch.cuda.is_available()  # without a GPU: a CPU/Gloo smoke run of the same code (tests)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
     me, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", me)
-    torch.cuda.set_device(dev)
+    dev = torch.device("cuda", me) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    pin = syn.pin if cuda else (lambda b: b)
+    S, F = args.seq_len, args.features
     groups = build_groups({"language": [list(range(world))]}, overlap=True)
     cost = CostModel()
     rows = []
@@ -101,13 +114,13 @@ def main():
         for w in args.windows:
             B = per * world
             rng = np.random.default_rng(1234)
-            gl = [syn.make_global_batch(rng, B, 4096, features=1176, mix="large", first_id=k * B) for k in range(w)]
+            gl = [syn.make_global_batch(rng, B, S, features=F, mix=args.mix, first_id=k * B) for k in range(w)]
             mine = [{k: v for k, v in syn.rank_share(g, world, me).items()} for g in gl]
             on_dev = [syn.to_device(m, dev) for m in mine]
             ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
                                  collectives=groups.main, device=dev)
             _, rep = ex.exchange(on_dev)
-            pinned = [syn.pin(m) for m in mine]
+            pinned = [pin(m) for m in mine]
             send_bytes = rep.sent_bytes
             counts = torch.tensor([send_bytes], dtype=torch.int64)
             allc = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -140,7 +153,7 @@ def main():
                     pr.enable()
                     for _ in range(20):
                         ex.exchange(pinned)
-                    torch.cuda.synchronize()
+                    _sync()
                     pr.disable()
                     text = io.StringIO()
                     pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
@@ -156,7 +169,7 @@ def main():
     perm, permuted = {}, {}
     for mb in args.dp1_sizes:
         rng = np.random.default_rng(7)
-        gs = [syn.to_device(syn.make_global_batch(rng, mb, 4096, features=1176, mix="large"), dev) for _ in range(8)]
+        gs = [syn.to_device(syn.make_global_batch(rng, mb, S, features=F, mix=args.mix), dev) for _ in range(8)]
         loc = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), global_batch=mb, cost=cost,
                               device=dev)
         reps = [loc.exchange([g])[1] for g in gs]
@@ -167,18 +180,18 @@ def main():
     w, per = 2, args.per_rank[0]
     B = per * world
     rng = np.random.default_rng(99)
-    stream_src = [syn.rank_share(syn.make_global_batch(rng, B, 4096, features=1176, mix="large", first_id=k * B),
+    stream_src = [syn.rank_share(syn.make_global_batch(rng, B, S, features=F, mix=args.mix, first_id=k * B),
                                  world, me) for k in range(8)]
-    stream_src = [syn.pin(m) for m in stream_src]
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    stream_src = [pin(m) for m in stream_src]
+    a = torch.randn(args.matmul, args.matmul, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
     prod = torch.empty_like(a)  # preallocated: the fake step allocates nothing, so the peak below is reorder's
     for _ in range(5):
         torch.matmul(a, a, out=prod)
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     for _ in range(10):
         torch.matmul(a, a, out=prod)
-    torch.cuda.synchronize()
+    _sync()
     mm_ms = (time.perf_counter() - t) * 100
     n_mm = max(1, int(args.compute_ms / mm_ms))
     ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w, collectives=groups.side,
@@ -187,19 +200,20 @@ def main():
     window_bytes = max(sum(t.numel() * t.element_size() for k in range(j, j + w) for t in _tensors(stream_src[k]))
                        for j in range(0, len(stream_src), w))
     rep = on_dev = gs = None  # nothing of the earlier measurements stays on the device
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
+    _sync()
+    if cuda:
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     with ReorderingBuffer(iter(stream_src), ex, overlap=True) as buf:
         it = iter(buf)
         next(it)
         for _ in range(6):
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             for _ in range(n_mm):
                 torch.matmul(a, a, out=prod)
-            torch.cuda.synchronize()
+            _sync()
             t1 = time.perf_counter()
             mb = next(it)
             mb["input_ids"].sum().item()
@@ -207,8 +221,8 @@ def main():
             exposed.append((t2 - t1) * 1e3)
             steps.append((t2 - t0) * 1e3)
         alive = buf.worker_alive
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated(dev) - base  # windows resident + exchange buffers in flight
+    _sync()
+    peak = torch.cuda.max_memory_allocated(dev) - base if cuda else float("nan")  # windows + buffers in flight
     overlap = dict(exposed_ms_median=float(np.median(exposed)), step_ms_median=float(np.median(steps)),
                    overlap_exposed_fraction=float(np.median(exposed) / np.median(steps)),
                    gpu_peak_mib=peak / 2**20, window_mib=window_bytes / 2**20,
@@ -230,7 +244,7 @@ def main():
             real = next(r for r in rows if r["per_rank"] == 8 and r["window"] == 1) if any(
                 r["per_rank"] == 8 and r["window"] == 1 for r in rows) else rows[0]
             with open(args.json, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(0) + f" x{world}", rows=rows, overlap=overlap,
+                json.dump(dict(device=(torch.cuda.get_device_name(0) if cuda else "cpu") + f" x{world}", rows=rows, overlap=overlap,
                                exchange_over_a2a=real["ratio"],
                                exchange_fixed_ms=real["exchange_ms"] - real["a2a_ms"],
                                overlap_exposed_fraction=overlap["overlap_exposed_fraction"],

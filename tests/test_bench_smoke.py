@@ -1,0 +1,37 @@
+"""The GPU benchmarks run end to end on CPU/Gloo at toy sizes (2 real processes) and write the JSON
+keys issue 6 names, so they cannot rot between GPU runs. No figure here is a performance result."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(script, args, out, timeout=240):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "bench" / script), *args, "--json", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("script,args,keys", [
+    ("exchange_gpu.py", ["--seq-len", "256", "--features", "8", "--mix", "small", "--matmul", "128",
+                         "--compute-ms", "5", "--reps", "2", "--per-rank", "4", "--windows", "1", "2"],
+     ["exchange_over_a2a", "exchange_fixed_ms", "overlap_exposed_fraction", "dp1_perm_ms_mb4"]),
+    ("e2e_vision.py", ["--dim", "32", "--layers", "1", "--mix", "small", "--steps", "4", "--warmup", "1",
+                       "--rounds", "1"],
+     ["gain_over_ideal", "mean_gain", "p90_gain"]),
+], ids=["exchange_gpu", "e2e_vision"])
+def test_benchmark_writes_the_issue_keys(tmp_path, script, args, keys):
+    result = _torchrun(script, args, tmp_path / "out.json")
+    assert result["device"] == "cpu x2"
+    for k in keys:
+        assert isinstance(result[k], float) and math.isfinite(result[k]), (k, result.get(k))
