@@ -197,6 +197,15 @@ def _cheap_lower_bound(s: np.ndarray, groups: int, m: int) -> float:
     return max(best, float(v.max()))
 
 
+def quick_lower_bound(costs, groups: int) -> float:
+    """A proven lower bound on the minimal max group load in O(B log B) (`lower_bound` is tighter
+    and O(B*G))."""
+    c = _checked_costs(costs, groups)
+    m = len(c) // groups
+    s = np.sort(c)[::-1]
+    return float(s[0]) if m == 1 else _cheap_lower_bound(s, groups, m)
+
+
 def lower_bound(costs, groups: int) -> float:
     """A proven lower bound on the minimal max group load under equal counts (for tests/benchmarks).
 

@@ -286,7 +286,6 @@ class WindowExchanger:
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)
         cross = self.cross_slot and W > 1
-        routes = None if cross else window_routes(orders, dp, self.grid.rank)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         mark("plan")
         flat = counts.reshape(W * B, COLS)
@@ -297,45 +296,51 @@ class WindowExchanger:
             out, sent = self._cross_slot(batches, layout, shards, flat, orders, moved.any())
             mark("assemble")
             return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
-
         r = self.grid.rank
-        pieces, sent = {}, 0
-        if moved.any():  # the same decision on every rank: if nothing changes rank, skip the transfer
-            send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
-            send_sizes = _piece_sizes(layout, flat, send_nat, W, B)
-            recv_sizes = _piece_sizes(layout, flat, routes.recv_natural, W, B)
-            device = shards[0][0].dense[("input_ids",)].device
-            send = torch.empty(int(send_sizes.sum()), dtype=torch.uint8, device=device)
-            off = 0
-            for q in range(dp):
-                ids = routes.send_index[q]
-                for s in range(W):
-                    size = int(send_sizes[q, s])
-                    if size:
-                        written = packing.pack(layout, shards[s][0], ids[ids // b == s] % b, send[off:off + size],
-                                               blobs=shards[s][1])
-                        assert written == size, (written, size)
-                    off += size
-            mark("pack")
-            recv = self.collectives.all_to_all(send, send_sizes.sum(axis=1).tolist(), recv_sizes.sum(axis=1).tolist())
-            if len(recv) != int(recv_sizes.sum()):
-                raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {int(recv_sizes.sum())}")
-            sent = len(send)
-            mark("all_to_all")
-            off = 0
-            for q in range(dp):
-                ids = routes.recv_natural[q]
-                for s in range(W):
-                    sel = flat[ids[ids // B == s]]
-                    size = int(recv_sizes[q, s])
-                    if len(sel):
-                        pieces[q, s] = packing.unpack(layout, recv[off:off + size], len(sel),
-                                                      torch.from_numpy(sel[:, 3]), torch.from_numpy(sel[:, 2]),
-                                                      sel[:, 4])
-                    off += size
-        else:
+        if not moved.any():  # the same decision on every rank: no transfer, at most a local reorder
             mark("pack")
             mark("all_to_all")
+            out = []
+            for s in range(W):
+                idx = orders[s, r * b:(r + 1) * b] - r * b
+                if len(np.unique(idx)) != b or idx.min() < 0 or idx.max() >= b:
+                    raise ReorderError(f"rank {r} slot {s}: local reorder index is not a permutation of {b} samples")
+                out.append(rebuild(batches[s], layout, packing.take(layout, [shards[s][0]], idx)))
+            mark("assemble")
+            return out, self._report(layout, flat, costs, orders, moved, gated, 0, plan_ms, t0, marks)
+        routes = window_routes(orders, dp, r)
+        pieces = {}
+        send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
+        send_sizes = _piece_sizes(layout, flat, send_nat, W, B)
+        recv_sizes = _piece_sizes(layout, flat, routes.recv_natural, W, B)
+        device = shards[0][0].dense[("input_ids",)].device
+        send = torch.empty(int(send_sizes.sum()), dtype=torch.uint8, device=device)
+        off = 0
+        for q in range(dp):
+            ids = routes.send_index[q]
+            for s in range(W):
+                size = int(send_sizes[q, s])
+                if size:
+                    written = packing.pack(layout, shards[s][0], ids[ids // b == s] % b, send[off:off + size],
+                                           blobs=shards[s][1])
+                    assert written == size, (written, size)
+                off += size
+        mark("pack")
+        recv = self.collectives.all_to_all(send, send_sizes.sum(axis=1).tolist(), recv_sizes.sum(axis=1).tolist())
+        if len(recv) != int(recv_sizes.sum()):
+            raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {int(recv_sizes.sum())}")
+        mark("all_to_all")
+        off = 0
+        for q in range(dp):
+            ids = routes.recv_natural[q]
+            for s in range(W):
+                sel = flat[ids[ids // B == s]]
+                size = int(recv_sizes[q, s])
+                if len(sel):
+                    pieces[q, s] = packing.unpack(layout, recv[off:off + size], len(sel),
+                                                  torch.from_numpy(sel[:, 3]), torch.from_numpy(sel[:, 2]),
+                                                  sel[:, 4])
+                off += size
         out = []
         for s in range(W):
             sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]
@@ -344,7 +349,7 @@ class WindowExchanger:
                 raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
             out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
         mark("assemble")
-        return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
+        return out, self._report(layout, flat, costs, orders, moved, gated, len(send), plan_ms, t0, marks)
 
     def _moved(self, orders) -> np.ndarray:
         """bool: which natural samples change rank (with cross_slot: change (slot, rank))."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reorder.balancers import get_balancer, lower_bound
+from reorder.balancers import get_balancer, lower_bound, quick_lower_bound
 from reorder.grid import check_global_batch
 
 
@@ -64,13 +64,16 @@ def plan_gated_orders(costs: np.ndarray, groups: int, balancer: str, min_gain: f
     if min_gain is None and min_saving is None:
         return plan_orders(costs, groups, balancer), np.zeros(w, dtype=bool)
     before = rank_loads(costs, None, groups).max(axis=1)
-    bound = np.array([lower_bound(c, groups) for c in costs])
-    hopeless = np.zeros(w, dtype=bool)
-    if min_saving is not None:
-        hopeless |= before - bound <= min_saving
-    if min_gain is not None:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            hopeless |= np.where(before > 0, 1 - bound / before, 0.0) <= min_gain
+
+    def fails(bound, s):
+        """The best plan of slot s cannot pass the gate (its max load is at least `bound`)."""
+        if min_saving is not None and before[s] - bound <= min_saving:
+            return True
+        return min_gain is not None and (1 - bound / before[s] if before[s] > 0 else 0.0) <= min_gain
+
+    # the cheap bound first; the tighter one only where the cheap one leaves the slot open
+    hopeless = np.array([fails(quick_lower_bound(c, groups), s) or fails(lower_bound(c, groups), s)
+                         for s, c in enumerate(costs)], dtype=bool)
     orders = np.tile(np.arange(batch, dtype=np.int64), (w, 1))
     if not hopeless.all():
         orders[~hopeless] = plan_orders(costs[~hopeless], groups, balancer)

@@ -11,7 +11,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from reorder import plan_orders
-from reorder.balancers import BALANCERS, balanced, exact, get_balancer, lower_bound, lpt
+from reorder.balancers import BALANCERS, balanced, exact, get_balancer, lower_bound, lpt, quick_lower_bound
 from spec import reference as ref
 
 def needs_scipy(fn):  # scipy is part of the `test` extra: exact() must be tested, never skipped
@@ -88,6 +88,7 @@ def test_balanced_is_an_equal_count_plan_never_above_lpt(gc):
     assert_plan(order, len(costs), groups)
     assert max_load(c, order, groups) <= max_load(c, lpt(c, groups), groups)
     assert max_load(c, order, groups) >= lower_bound(c, groups) * (1 - 1e-12)
+    assert quick_lower_bound(c, groups) <= lower_bound(c, groups)
 
 
 @given(instances)
@@ -197,6 +198,16 @@ def test_moves_far_fewer_samples_than_lpt():
 
 
 # --- exact and lower_bound ----------------------------------------------------------------------
+
+@settings(max_examples=40)
+@given(st.sampled_from([(2, 2), (2, 3), (2, 4), (3, 2), (4, 2), (2, 1), (1, 4), (3, 3)]).flatmap(
+    lambda gm: st.tuples(st.just(gm[0]), st.lists(st.integers(0, 100).map(float),
+                                                  min_size=gm[0] * gm[1], max_size=gm[0] * gm[1]))))
+def test_both_lower_bounds_are_at_most_the_optimum(gc):
+    groups, costs = gc
+    opt = brute_force(costs, groups)[0]
+    assert quick_lower_bound(costs, groups) <= lower_bound(costs, groups) <= opt
+
 
 def brute_force(costs, groups):
     """(min max load, fewest moved among those) over every equal-count assignment."""
