@@ -104,9 +104,10 @@ def _partition_max(costs: np.ndarray, groups: int, m: int) -> np.ndarray:
     """Max bin load of every partition of `_partitions(groups, m)`: costs [..., groups*m] ->
     [..., P]. Each bin's load is summed left to right over its m members (as `_row_sums`)."""
     cols = _partition_columns(groups, m)                   # [m, P, groups], contiguous per member
-    load = costs[..., cols[0]]
-    for j in range(1, len(cols)):
-        load += costs[..., cols[j]]
+    g = np.take(costs, cols, axis=-1)                      # [..., m, P, groups] (take: faster than [..., cols])
+    load = g[..., 0, :, :].copy()
+    for j in range(1, m):
+        load += g[..., j, :, :]
     out = load[..., 0].copy()
     for b in range(1, load.shape[-1]):
         np.maximum(out, load[..., b], out=out)

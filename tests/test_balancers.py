@@ -308,3 +308,17 @@ def test_exact_small_golden():
     order = exact(np.array([10.0, 10, 10, 1, 1, 1]), 3)
     assert max_load([10.0, 10, 10, 1, 1, 1], order, 3) == 11.0 and moved(order, 3) == 2
     assert list(itertools.islice(exact(np.arange(8.0), 1), 8)) == list(range(8))
+
+
+@settings(max_examples=30)
+@given(st.sampled_from([(2, 2), (2, 4), (2, 8), (3, 3), (4, 2), (3, 4)]), st.integers(0, 2**32 - 1))
+def test_partition_loads_are_the_left_to_right_row_sums(gm, seed):
+    """Every rank must compute bit-identical plans: the vectorised partition loads equal the plain
+    left-to-right (cumsum) row sums, bit for bit."""
+    from reorder.balancers import _partition_max, _partitions
+    groups, m = gm
+    rng = np.random.default_rng(seed)
+    c = rng.random((3, groups * m)) * rng.choice([1.0, 1e6, 1e-3])
+    P = _partitions(groups, m)
+    assert np.array_equal(_partition_max(c, groups, m), np.cumsum(c[:, P], axis=3)[..., -1].max(axis=2))
+    assert np.array_equal(_partition_max(c[0], groups, m), np.cumsum(c[0][P], axis=2)[..., -1].max(axis=1))
