@@ -35,13 +35,6 @@ def bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(*t.shape, t.dtype.itemsize)
 
 
-def from_bytes(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of bytes_view (a view, no copy)."""
-    if dtype == torch.uint8:
-        return u.squeeze(-1)
-    return u.view(dtype).squeeze(-1)
-
-
 def runs(index) -> list:
     """Maximal runs of consecutive indices, in order: [(start, stop), ...] (index ascending by one
     inside a run). A permutation that keeps most samples in place has few runs."""
@@ -253,16 +246,14 @@ def unpack(layout: BatchLayout, buf: torch.Tensor, n: int, row_counts: torch.Ten
     out, off = Shard(n=n), 0
     for f in layout.dense:
         size = n * f.sample_bytes
-        shape = list(f.full_shape(n)) + [f.dtype.itemsize]
-        out.dense[f.path] = from_bytes(buf[off:off + size].view(shape), f.dtype)
+        out.dense[f.path] = buf[off:off + size].view(f.dtype).view(f.full_shape(n))
         off += _align(size)
     if layout.ragged:
-        counts = {"row": int(row_counts.sum()), "image": int(image_counts.sum())}
+        counts = {"row": int(row_counts.numpy().sum()), "image": int(image_counts.numpy().sum())}
         for f in layout.ragged:
             k = counts[f.per]
             size = k * f.entry_bytes
-            shape = [k, *f.entry_shape, f.dtype.itemsize]
-            out.ragged[f.path] = from_bytes(buf[off:off + size].view(shape), f.dtype)
+            out.ragged[f.path] = buf[off:off + size].view(f.dtype).view(k, *f.entry_shape)
             off += _align(size)
         out.row_counts, out.image_counts = row_counts, image_counts
     if layout.lists:
