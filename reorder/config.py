@@ -59,10 +59,12 @@ class ReorderConfig:
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name}={w!r}: must be a finite number >= 0")
             object.__setattr__(self, name, float(w))
-        if self.megatron_mimo_reorder_encoder_cost_weight == 0 == self.megatron_mimo_reorder_language_cost_weight:
+        if not (self.megatron_mimo_reorder_encoder_cost_weight or self.megatron_mimo_reorder_language_cost_weight
+                or self.encoder_quadratic_weight or self.language_quadratic_weight or self.encoder_image_weight):
             raise ValueError("megatron_mimo_reorder_encoder_cost_weight=0.0 and "
-                             "megatron_mimo_reorder_language_cost_weight=0.0: at least one cost weight "
-                             "must be > 0, otherwise every sample costs 0 and there is nothing to balance")
+                             "megatron_mimo_reorder_language_cost_weight=0.0 (and no quadratic or per-image "
+                             "weight): at least one cost weight must be > 0, otherwise every sample costs 0 "
+                             "and there is nothing to balance")
         for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("spatial_merge_size", 1),
                               ("image_token_id", 0), ("vision_start_token_id", 0)):
             v = getattr(self, name)

@@ -101,7 +101,7 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(self.err(megatron_mimo_reorder_language_cost_weight=float("nan")), """megatron_mimo_reorder_language_cost_weight=nan: must be a finite number >= 0""")
         self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight=float("inf")), """megatron_mimo_reorder_encoder_cost_weight=inf: must be a finite number >= 0""")
         self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight="1"), """megatron_mimo_reorder_encoder_cost_weight='1': must be a finite number >= 0""")
-        self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight=0), """megatron_mimo_reorder_encoder_cost_weight=0.0 and megatron_mimo_reorder_language_cost_weight=0.0: at least one cost weight must be > 0, otherwise every sample costs 0 and there is nothing to balance""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight=0), """megatron_mimo_reorder_encoder_cost_weight=0.0 and megatron_mimo_reorder_language_cost_weight=0.0 (and no quadratic or per-image weight): at least one cost weight must be > 0, otherwise every sample costs 0 and there is nothing to balance""")
         self.assertExpectedInline(self.err(megatron_mimo_reorder_window_size=0), """megatron_mimo_reorder_window_size=0: must be an integer >= 1""")
         self.assertExpectedInline(self.err(megatron_mimo_reorder_window_size=1.5), """megatron_mimo_reorder_window_size=1.5: must be an integer >= 1""")
         self.assertExpectedInline(self.err(spatial_merge_size=0), """spatial_merge_size=0: must be an integer >= 1""")
@@ -140,6 +140,8 @@ def test_shadow_flag_round_trip():
     c = ReorderConfig.from_args(p.parse_args(["--reorder-min-gain", "0.05", "--reorder-min-saving", "2.5"]))
     assert (c.min_gain, c.min_saving) == (0.05, 2.5)
     assert ReorderConfig.from_args(p.parse_args(["--reorder-encoder-image-weight", "40"])).encoder_image_weight == 40.0
+    # a per-image (or quadratic) weight alone is a valid cost model
+    assert ReorderConfig(megatron_mimo_reorder_encoder_cost_weight=0.0, encoder_image_weight=1.0).encoder_image_weight == 1.0
     assert (ReorderConfig().min_gain, ReorderConfig().min_saving) == (None, None)
     assert ReorderConfig().cross_slot is False
     with pytest.raises(ValueError, match="shadow='yes': must be a bool"):
