@@ -285,3 +285,24 @@ def test_cross_slot_must_match_across_the_group():
     shares = _shares(2)
     out = _run(2, lambda r: [shares[r]], lambda r: {"cross_slot": r == 1})
     assert [str(e) for e in out] == ["config mismatch across the DP group: cross_slot is 0 on ranks [0], 1 on ranks [1]"] * 2
+
+
+def test_reorder_inside_each_rank_only_moves_nothing_and_keeps_every_invariant():
+    """Vision dp 2 on a grid of 4: the plan swaps samples between the two groups of vision rank 0
+    only, so no sample changes vision rank (no transfer) but rank 0's order changes; the language
+    ranks (dp 4) do exchange. Every invariant, and the bridge alignment, must hold."""
+    g = windows_for(31, 8, 1)[0]
+    real = [10, 10, 1, 1, 5, 5, 5, 5]  # natural groups (10+10), (1+1), (5+5), (5+5): optimum 11
+    mask = torch.zeros_like(g["attention_mask"])
+    for i, k in enumerate(real):
+        mask[i, :k] = 1
+    g["attention_mask"] = mask
+    cost = CostModel(encoder_weight=0.0, language_weight=1.0)
+    res = harness.run_window([g], {"vision": 2, "language": 4}, cost=cost, balancer="balanced")
+    harness.check_window([g], res, cost=cost, balancer="balanced", vision_start_token_id=syn.VISION_START)
+    vision = res["vision"]
+    order = vision.reports[0].orders[0].tolist()
+    assert vision.reports[0].moved_samples == 0 and all(rep.sent_bytes == 0 for rep in vision.reports)
+    assert sorted(order[:4]) == [0, 1, 2, 3] and order[:4] != [0, 1, 2, 3]  # reordered inside rank 0
+    assert vision.outputs[0][0]["sample_id"].tolist() == [int(g["sample_id"][i]) for i in order[:4]]
+    assert res["language"].reports[0].moved_samples == 2
