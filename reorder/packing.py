@@ -70,8 +70,8 @@ _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _word(post_bytes: int, tensors) -> torch.dtype:
-    """The widest integer word dividing the bytes per sample and every tensor's start address:
-    copies then move 8 bytes per element instead of one."""
+    """For dtypes without a native copy: the widest integer word dividing the bytes per sample and
+    every tensor's start address."""
     for w in _WORDS:
         if post_bytes % w.itemsize == 0 and all(t.data_ptr() % w.itemsize == 0 for t in tensors):
             return w
@@ -120,9 +120,10 @@ def _source_runs(sizes: list, index) -> list:
 
 
 def _gather(views: list, dim: int, out: torch.Tensor | None):
-    """Concatenate `views` along `dim` into `out` (or a new tensor); one copy kernel per field."""
+    """Concatenate `views` along `dim` into `out` (or a new contiguous tensor; a single view that is
+    already contiguous is returned as it is); one copy kernel per field."""
     if out is None:
-        return views[0] if len(views) == 1 else torch.cat(views, dim)
+        return views[0].contiguous() if len(views) == 1 else torch.cat(views, dim)
     if len(views) == 1:
         out.copy_(views[0])
     elif views:

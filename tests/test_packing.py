@@ -101,3 +101,15 @@ def test_runs_are_maximal_and_rebuild_the_index(index):
     got = packing.runs(index)
     assert [i for a, b in got for i in range(a, b)] == index
     assert all(a < b for a, b in got) and all(b1 != a2 for (_, b1), (a2, _) in zip(got, got[1:]))
+
+
+def test_take_returns_contiguous_fields():
+    """A selection that is one run inside a larger shard (e.g. a rank's share) is still a contiguous
+    tensor per field, MRoPE position_ids [3, B, S] (batch dim 1) included."""
+    g = syn.make_global_batch(np.random.default_rng(5), 8, 64, features=4)
+    layout, shard = describe(g, 8, vision_start_token_id=syn.VISION_START)
+    for index in (np.arange(4, 8), np.array([5, 6, 0, 1])):
+        out = packing.take(layout, [shard], index)
+        for t in list(out.dense.values()) + list(out.ragged.values()):
+            assert t.is_contiguous(), t.shape
+        assert out.dense[("position_ids",)].equal(g["position_ids"][:, index])
