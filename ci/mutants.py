@@ -105,8 +105,8 @@ MUTATIONS = [
              "return [MAGIC, 0, slots,"),
     # 8b. when no sample changes rank, the local reorder keeps natural order instead of the plan's.
     Mutation("exchange no-transfer local reorder ignores the plan", "reorder/exchange.py",
-             "                idx = orders[s, r * b:(r + 1) * b] - r * b",
-             "                idx = np.sort(orders[s, r * b:(r + 1) * b] - r * b)"),
+             "[shards[s][0]], orders[s, r * b:(r + 1) * b] - r * b, s,",
+             "[shards[s][0]], np.sort(orders[s, r * b:(r + 1) * b] - r * b), s,"),
     # 9. MRoPE position_ids [3, B, S] described with batch dim 0.
     Mutation("layout position_ids batch dim 0", "reorder/layout.py",
              "want = 1 if v.dim() == 3 else 0",

@@ -83,20 +83,15 @@ def _checked_costs(costs, groups: int) -> np.ndarray:
 
 
 def _row_sums(C: np.ndarray) -> np.ndarray:
-    """Per-row sums in a fixed left-to-right order (bit-identical on every machine)."""
-    return _last_axis_sums(C)
-
-
-def _last_axis_sums(X: np.ndarray) -> np.ndarray:
-    """Sums along the last axis, strictly left to right (((x0 + x1) + x2) + ...), exactly what
-    np.cumsum(X, axis=-1)[..., -1] gives; short rows add column by column (numpy's cumsum over many
-    short rows is slow)."""
-    k = X.shape[-1]
+    """Per-row sums in a fixed left-to-right order (((c0 + c1) + c2) + ...), bit-identical on every
+    machine: exactly np.cumsum(C, axis=-1)[..., -1]; short rows add column by column (numpy's cumsum
+    over many short rows is slow)."""
+    k = C.shape[-1]
     if k > 32:
-        return np.cumsum(X, axis=-1)[..., -1].copy()
-    out = X[..., 0].copy()
+        return np.cumsum(C, axis=-1)[..., -1].copy()
+    out = C[..., 0].copy()
     for j in range(1, k):
-        out += X[..., j]
+        out += C[..., j]
     return out
 
 

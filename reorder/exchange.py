@@ -300,12 +300,8 @@ class WindowExchanger:
         if not moved.any():  # the same decision on every rank: no transfer, at most a local reorder
             mark("pack")
             mark("all_to_all")
-            out = []
-            for s in range(W):
-                idx = orders[s, r * b:(r + 1) * b] - r * b
-                if len(np.unique(idx)) != b or idx.min() < 0 or idx.max() >= b:
-                    raise ReorderError(f"rank {r} slot {s}: local reorder index is not a permutation of {b} samples")
-                out.append(rebuild(batches[s], layout, packing.take(layout, [shards[s][0]], idx)))
+            out = [self._reassembled(batches[s], layout, [shards[s][0]], orders[s, r * b:(r + 1) * b] - r * b, s,
+                                     "local reorder") for s in range(W)]
             mark("assemble")
             return out, self._report(layout, flat, costs, orders, moved, gated, 0, plan_ms, t0, marks)
         routes = window_routes(orders, dp, r)
@@ -344,12 +340,17 @@ class WindowExchanger:
         out = []
         for s in range(W):
             sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]
-            g = routes.gather[s]
-            if len(np.unique(g)) != b or g.min() < 0 or g.max() >= sum(x.n for x in sources):
-                raise ReorderError(f"rank {r} slot {s}: reassembly index is not {b} unique samples")
-            out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
+            out.append(self._reassembled(batches[s], layout, sources, routes.gather[s], s, "reassembly"))
         mark("assemble")
         return out, self._report(layout, flat, costs, orders, moved, gated, len(send), plan_ms, t0, marks)
+
+    def _reassembled(self, batch, layout, sources, idx, slot, what):
+        """Micro-batch `batch` holding samples `idx` of the concatenated `sources`; raises the same
+        ReorderError if idx is not local_batch distinct samples of them."""
+        b = self.local_batch
+        if len(np.unique(idx)) != b or idx.min() < 0 or idx.max() >= sum(x.n for x in sources):
+            raise ReorderError(f"rank {self.grid.rank} slot {slot}: {what} index is not {b} unique samples")
+        return rebuild(batch, layout, packing.take(layout, sources, idx))
 
     def _moved(self, orders) -> np.ndarray:
         """bool: which natural samples change rank (with cross_slot: change (slot, rank))."""
@@ -425,10 +426,7 @@ class WindowExchanger:
         out = []
         for s, v2 in enumerate(mine):
             sources = [shards[s][0]] + [pieces[v, v2] for v in range(V) if v != v2 and (v, v2) in pieces]
-            g = rts[v2].gather[0]
-            if len(np.unique(g)) != b or g.min() < 0 or g.max() >= sum(x.n for x in sources):
-                raise ReorderError(f"rank {r} slot {s}: cross-slot reassembly index is not {b} unique samples")
-            out.append(rebuild(batches[s], layout, packing.take(layout, sources, g)))
+            out.append(self._reassembled(batches[s], layout, sources, rts[v2].gather[0], s, "cross-slot reassembly"))
         return out, int(len(send))
 
     def _local(self, batches, local, t0):

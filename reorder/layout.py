@@ -15,6 +15,7 @@ works on shards.
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass, field
 
@@ -41,10 +42,7 @@ class DenseField:
 
     @property
     def sample_bytes(self) -> int:
-        n = 1
-        for s in self.sample_shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.sample_shape) * self.dtype.itemsize
 
     def full_shape(self, n: int) -> tuple:
         s = list(self.sample_shape)
@@ -63,10 +61,7 @@ class RaggedField:
 
     @property
     def entry_bytes(self) -> int:
-        n = 1
-        for s in self.entry_shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.entry_shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)

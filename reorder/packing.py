@@ -12,6 +12,7 @@ entries; each region starts at a multiple of ALIGN bytes so typed views need no 
 from __future__ import annotations
 
 import bisect
+import math
 import pickle
 
 import numpy as np
@@ -80,12 +81,7 @@ def _word(post_bytes: int, tensors) -> torch.dtype:
 
 def _split(shape: tuple, batch_dim: int, itemsize: int) -> tuple:
     """(pre, post_bytes) of a contiguous tensor of `shape` around its batch dim."""
-    pre = post = 1
-    for d in shape[:batch_dim]:
-        pre *= d
-    for d in shape[batch_dim + 1:]:
-        post *= d
-    return pre, post * itemsize
+    return math.prod(shape[:batch_dim]), math.prod(shape[batch_dim + 1:]) * itemsize
 
 
 def _words(t: torch.Tensor, batch_dim: int, word: torch.dtype) -> torch.Tensor:

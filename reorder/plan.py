@@ -40,15 +40,24 @@ def gate_orders(costs: np.ndarray, orders: np.ndarray, groups: int, min_gain: fl
     so every rank of every module takes the same decision. Returns (orders, bool [W] gated)."""
     costs = np.asarray(costs, dtype=np.float64)
     before = rank_loads(costs, None, groups).max(axis=1)
-    after = rank_loads(costs, orders, groups).max(axis=1)
-    gated = np.zeros(len(before), dtype=bool)
+    return _keep_natural(orders, _does_not_pay(before, rank_loads(costs, orders, groups).max(axis=1),
+                                               min_gain, min_saving))
+
+
+def _does_not_pay(before, after, min_gain, min_saving) -> np.ndarray:
+    """bool [W]: the gate's test, max loads `before` -> `after` per slot (either threshold may be None)."""
+    fails = np.zeros(len(before), dtype=bool)
     if min_gain is not None:
         with np.errstate(divide="ignore", invalid="ignore"):
-            gated |= np.where(before > 0, 1 - after / before, 0.0) <= min_gain
+            fails |= np.where(before > 0, 1 - after / before, 0.0) <= min_gain
     if min_saving is not None:
-        gated |= before - after <= min_saving
+        fails |= before - after <= min_saving
+    return fails
+
+
+def _keep_natural(orders, gated):
     out = np.array(orders, dtype=np.int64, copy=True)
-    out[gated] = np.arange(costs.shape[1], dtype=np.int64)
+    out[gated] = np.arange(out.shape[1], dtype=np.int64)
     return out, gated
 
 
@@ -64,17 +73,13 @@ def plan_gated_orders(costs: np.ndarray, groups: int, balancer: str, min_gain: f
     if min_gain is None and min_saving is None:
         return plan_orders(costs, groups, balancer), np.zeros(w, dtype=bool)
     before = rank_loads(costs, None, groups).max(axis=1)
-
-    def fails(bound, s):
-        """The best plan of slot s cannot pass the gate (its max load is at least `bound`)."""
-        if min_saving is not None and before[s] - bound <= min_saving:
-            return True
-        return min_gain is not None and (1 - bound / before[s] if before[s] > 0 else 0.0) <= min_gain
-
     # the cheap bound first; the tighter one only where the cheap one leaves the slot open
-    hopeless = np.array([fails(quick_lower_bound(c, groups), s) or fails(lower_bound(c, groups), s)
-                         for s, c in enumerate(costs)], dtype=bool)
+    hopeless = _does_not_pay(before, np.array([quick_lower_bound(c, groups) for c in costs]), min_gain, min_saving)
+    open_ = np.flatnonzero(~hopeless)
+    hopeless[open_] = _does_not_pay(before[open_], np.array([lower_bound(costs[s], groups) for s in open_]),
+                                    min_gain, min_saving)
     orders = np.tile(np.arange(batch, dtype=np.int64), (w, 1))
     if not hopeless.all():
         orders[~hopeless] = plan_orders(costs[~hopeless], groups, balancer)
-    return gate_orders(costs, orders, groups, min_gain, min_saving)
+    after = rank_loads(costs, orders, groups).max(axis=1)
+    return _keep_natural(orders, _does_not_pay(before, after, min_gain, min_saving))
