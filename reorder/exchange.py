@@ -311,16 +311,10 @@ class WindowExchanger:
         recv_sizes = _piece_sizes(layout, flat, routes.recv_natural, W, B)
         device = shards[0][0].dense[("input_ids",)].device
         send = torch.empty(int(send_sizes.sum()), dtype=torch.uint8, device=device)
-        off = 0
-        for q in range(dp):
-            ids = routes.send_index[q]
-            for s in range(W):
-                size = int(send_sizes[q, s])
-                if size:
-                    written = packing.pack(layout, shards[s][0], ids[ids // b == s] % b, send[off:off + size],
-                                           blobs=shards[s][1])
-                    assert written == size, (written, size)
-                off += size
+        jobs = [(shards[s][0], ids[ids // b == s] % b, shards[s][1])
+                for ids in routes.send_index for s in range(W)]  # wire order: peer-major, then slot
+        written = packing.pack_many(layout, jobs, send)
+        assert written == send_sizes.reshape(-1).tolist(), (written, send_sizes)
         mark("pack")
         recv = self.collectives.all_to_all(send, send_sizes.sum(axis=1).tolist(), recv_sizes.sum(axis=1).tolist())
         if len(recv) != int(recv_sizes.sum()):
@@ -331,12 +325,9 @@ class WindowExchanger:
             ids = routes.recv_natural[q]
             for s in range(W):
                 sel = flat[ids[ids // B == s]]
-                size = int(recv_sizes[q, s])
                 if len(sel):
-                    pieces[q, s] = packing.unpack(layout, recv[off:off + size], len(sel),
-                                                  torch.from_numpy(sel[:, 3]), torch.from_numpy(sel[:, 2]),
-                                                  sel[:, 4])
-                off += size
+                    pieces[q, s] = packing.Packed(layout, recv, off, len(sel), sel[:, 3], sel[:, 2], sel[:, 4])
+                off += int(recv_sizes[q, s])
         out = []
         for s in range(W):
             sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]
@@ -408,11 +399,9 @@ class WindowExchanger:
                         recv_pieces.append((q, v, v2, ids, size(ids)))
         device = shards[0][0].dense[("input_ids",)].device
         send = torch.empty(sum(p[4] for p in send_pieces), dtype=torch.uint8, device=device)
-        off = 0
-        for _, v, _, idx, sz in send_pieces:
-            shard, blobs = shards[v // dp]
-            packing.pack(layout, shard, idx, send[off:off + sz], blobs=blobs)
-            off += sz
+        written = packing.pack_many(layout, [(shards[v // dp][0], idx, shards[v // dp][1])
+                                             for _, v, _, idx, _ in send_pieces], send)
+        assert written == [p[4] for p in send_pieces], written
         send_splits = [sum(p[4] for p in send_pieces if p[0] == q) for q in range(dp)]
         recv_splits = [sum(p[4] for p in recv_pieces if p[0] == q) for q in range(dp)]
         # same decision on every rank (it depends only on the plan): skip the collective if nothing moves
@@ -420,8 +409,7 @@ class WindowExchanger:
         pieces, off = {}, 0
         for _, v, v2, ids, sz in recv_pieces:
             sel = flat[ids]
-            pieces[v, v2] = packing.unpack(layout, recv[off:off + sz], len(sel), torch.from_numpy(sel[:, 3]),
-                                           torch.from_numpy(sel[:, 2]), sel[:, 4])
+            pieces[v, v2] = packing.Packed(layout, recv, off, len(sel), sel[:, 3], sel[:, 2], sel[:, 4])
             off += sz
         out = []
         for s, v2 in enumerate(mine):

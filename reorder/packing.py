@@ -1,12 +1,16 @@
 """Byte-exact sample packing: select samples of shards, pack them into one contiguous uint8 buffer,
-and view them back. A selection is a list of runs of consecutive samples; each field is copied by
-one concatenation of `narrow` views of those runs (dtypes without a native copy, float8 and complex
-among them, as the widest integer word their bytes allow, so every dtype travels bit-for-bit), never
-one Python call per sample per field and never an index tensor.
+and view them back. A selection is a list of runs of consecutive samples. Every field of a run is a
+contiguous byte range of its source (one range per leading index when the batch dim is not 0, e.g.
+MRoPE position_ids [3, B, S]), so a whole selection, all its fields, is written by ONE torch.cat of
+narrow views of those byte ranges (as the widest integer word their offsets allow) with zero
+padding between regions: every dtype travels bit-for-bit, and there is never an index tensor, a
+host-to-device index copy or one Python call per sample per field. A reassembled micro-batch is one
+new buffer in the same format; its fields are typed views into it.
 
 Buffer format for n samples (all sizes computable from per-sample metadata alone, see `nbytes`):
-dense fields in layout order, then per-row fields, then per-image fields, then the pickled list
-entries; each region starts at a multiple of ALIGN bytes so typed views need no copy.
+dense fields in layout order ([*pre, n, *post] per field), then per-row fields, then per-image
+fields, then the pickled list entries; each region starts at a multiple of ALIGN bytes so typed
+views need no copy.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import pickle
 import numpy as np
 import torch
 
-from reorder.layout import BatchLayout, Shard
+from reorder.layout import BatchLayout, DenseField, Shard
 
 ALIGN = 16
 
@@ -26,14 +30,6 @@ ALIGN = 16
 def _align(n):
     """Round up to a multiple of ALIGN (ints or int64 arrays)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """uint8 view of a tensor with one extra trailing dim of itemsize bytes (copies if not contiguous)."""
-    t = t.contiguous()
-    if t.dtype == torch.uint8:
-        return t.unsqueeze(-1)
-    return t.view(torch.uint8).reshape(*t.shape, t.dtype.itemsize)
 
 
 def runs(index) -> list:
@@ -48,55 +44,145 @@ def runs(index) -> list:
     return [tuple(r) for r in out]
 
 
+def _pre_post(f: DenseField) -> tuple:
+    """(leading entries before the batch dim, bytes of one sample per leading entry)."""
+    pre = math.prod(f.sample_shape[:f.batch_dim])
+    return pre, math.prod(f.sample_shape[f.batch_dim:]) * f.dtype.itemsize
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """Entry offset of every sample, and the total: [0, c0, c0 + c1, ...]."""
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+
 class _Source:
-    """One shard with the per-sample entry offsets of its ragged fields (made on first use), so a run
-    of samples is one `narrow` per field (no index tensor, no host-to-device copy)."""
+    """One shard as byte ranges: each field flattened once to a uint8 view (a copy only if the
+    field is not contiguous), ragged entry offsets made on first use."""
 
     def __init__(self, shard: Shard):
-        self.shard, self._starts = shard, {}
+        self.shard, self.n, self._flat, self._starts, self._counts = shard, shard.n, {}, {}, {}
 
-    def tensor(self, path, ragged: bool) -> torch.Tensor:
-        return (self.shard.ragged if ragged else self.shard.dense)[path]
+    def counts(self, per: str) -> np.ndarray:
+        c = self._counts.get(per)
+        if c is None:
+            c = self._counts[per] = (self.shard.row_counts if per == "row" else self.shard.image_counts).numpy()
+        return c
 
-    def entries(self, per: str, a: int, b: int) -> tuple:
-        """Entry range (start, length) of samples [a, b) in a per-`per` ragged field."""
-        o = self._starts.get(per)
+    def lists(self, a: int, b: int) -> list:
+        return self.shard.lists[a:b]
+
+    def _base(self, path, ragged: bool) -> torch.Tensor:
+        t = self._flat.get(path)
+        if t is None:
+            t = (self.shard.ragged if ragged else self.shard.dense)[path].contiguous()
+            t = self._flat[path] = t if t.dim() == 1 else t.reshape(-1)
+        return t
+
+    def dense(self, f: DenseField, p: int, post: int, a: int, b: int) -> tuple:
+        """(base, start, length) of samples [a, b) at leading index p of dense field f."""
+        return self._base(f.path, False), (p * self.n + a) * post, (b - a) * post
+
+    def ragged(self, f, a: int, b: int) -> tuple:
+        o = self._starts.get(f.per)
         if o is None:
-            counts = self.shard.row_counts if per == "row" else self.shard.image_counts
-            o = self._starts[per] = np.concatenate([[0], np.cumsum(counts.numpy(), dtype=np.int64)])
-        return int(o[a]), int(o[b] - o[a])
+            o = self._starts[f.per] = _offsets(self.counts(f.per))
+        e = int(o[a])
+        return self._base(f.path, True), e * f.entry_bytes, (int(o[b]) - e) * f.entry_bytes
 
 
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+class Packed:
+    """n samples packed (`pack`) at byte `offset` of the uint8 buffer `buf`, as a source for `take`
+    without making a single view: rows / images / list_lens are per-sample counts (int64, from the
+    metadata)."""
+
+    def __init__(self, layout: BatchLayout, buf: torch.Tensor, offset: int, n: int, rows, images, list_lens):
+        self.buf, self.n, self.layout = buf, n, layout
+        self._counts = {"row": np.asarray(rows, dtype=np.int64), "image": np.asarray(images, dtype=np.int64)}
+        self._list_lens, self._lists, self._starts, self._region = list_lens, None, {}, {}
+        off = offset
+        for f in layout.dense:
+            self._region[f.path] = off
+            off += _align(n * f.sample_bytes)
+        totals = {per: int(c.sum()) for per, c in self._counts.items()} if layout.ragged else {}
+        for f in layout.ragged:
+            self._region[f.path] = off
+            off += _align(totals[f.per] * f.entry_bytes)
+        self._lists_at, self.end = off, off + _align(int(np.sum(list_lens))) if layout.lists else off
+
+    def counts(self, per: str) -> np.ndarray:
+        return self._counts[per]
+
+    def lists(self, a: int, b: int) -> list:
+        if self._lists is None:  # unpickled on first use (one device-to-host copy)
+            self._lists = _unpickle(self.buf[self._lists_at:self.end], self._list_lens)
+        return self._lists[a:b]
+
+    def dense(self, f: DenseField, p: int, post: int, a: int, b: int) -> tuple:
+        return self.buf, self._region[f.path] + (p * self.n + a) * post, (b - a) * post
+
+    def ragged(self, f, a: int, b: int) -> tuple:
+        o = self._starts.get(f.per)
+        if o is None:
+            o = self._starts[f.per] = _offsets(self._counts[f.per])
+        e = int(o[a])
+        return self.buf, self._region[f.path] + e * f.entry_bytes, (int(o[b]) - e) * f.entry_bytes
 
 
-def _word(post_bytes: int, tensors) -> torch.dtype:
-    """For dtypes without a native copy: the widest integer word dividing the bytes per sample and
-    every tensor's start address."""
-    for w in _WORDS:
-        if post_bytes % w.itemsize == 0 and all(t.data_ptr() % w.itemsize == 0 for t in tensors):
-            return w
-    return torch.uint8
+def _unpickle(data: torch.Tensor, list_lens) -> list:
+    raw, out, pos = bytes(data.cpu().numpy()), [], 0
+    for ln in (int(x) for x in list_lens):
+        out.append(pickle.loads(raw[pos:pos + ln]))
+        pos += ln
+    return out
 
 
-def _split(shape: tuple, batch_dim: int, itemsize: int) -> tuple:
-    """(pre, post_bytes) of a contiguous tensor of `shape` around its batch dim."""
-    return math.prod(shape[:batch_dim]), math.prod(shape[batch_dim + 1:]) * itemsize
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_ZEROS = {}  # (device, word dtype) -> ALIGN zero bytes (the padding between regions)
 
 
-def _words(t: torch.Tensor, batch_dim: int, word: torch.dtype) -> torch.Tensor:
-    """[pre, n, post_bytes / word size] view of contiguous `t` (n = samples or entries along batch_dim)."""
-    pre, post = _split(tuple(t.shape), batch_dim, t.dtype.itemsize)
-    n = t.shape[batch_dim]
-    if t.dim() > batch_dim + 1 and (t.shape[-1] * t.dtype.itemsize) % word.itemsize == 0:
-        return t.view(word).view(pre, n, post // word.itemsize)  # the common case: two views
-    return t.reshape(-1).view(torch.uint8).view(word).view(pre, n, post // word.itemsize)
+class _Concat:
+    """Byte ranges (base, start, length) to write back to back with one torch.cat; a base is a
+    flat contiguous tensor of any dtype (offsets in bytes), None is zero padding."""
 
+    def __init__(self):
+        self.parts, self.size = [], 0
 
-def _from_words(w: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    if w.dtype.itemsize % dtype.itemsize == 0 and w.shape[-1]:
-        return w.view(dtype).view(shape)
-    return w.view(torch.uint8).view(dtype).view(shape)
+    def add(self, part: tuple):
+        if part[2]:
+            self.parts.append(part)
+            self.size += part[2]
+
+    def pad(self):
+        gap = _align(self.size) - self.size
+        if gap:
+            self.parts.append((None, 0, gap))
+            self.size += gap
+
+    def write(self, out: torch.Tensor):
+        """Copy the ranges into the uint8 tensor `out` (self.size bytes): one kernel, as int64 words
+        when every offset and length allows (else the widest word that divides them all)."""
+        if not self.parts:
+            return
+        dev, bases = out.device, {}
+        bits = out.data_ptr() | out.numel()
+        for base, start, length in self.parts:
+            bits |= start | length
+            if base is not None and id(base) not in bases:
+                b = bases[id(base)] = base if base.device == dev else base.to(dev)
+                bits |= b.data_ptr() | b.numel() * b.dtype.itemsize
+        w = min(8, bits & -bits) if bits else 8
+        word = _WORDS[w]
+        zeros = _ZEROS.get((dev, word))
+        if zeros is None:
+            zeros = _ZEROS[dev, word] = torch.zeros(ALIGN // w, dtype=word, device=dev)
+        words = {k: v if v.dtype == word else v.view(word) for k, v in bases.items()}
+        views = [(zeros if base is None else words[id(base)]).narrow(0, start // w, length // w)
+                 for base, start, length in self.parts]
+        target = out.view(word)
+        if len(views) == 1:
+            target.copy_(views[0])
+        else:
+            torch.cat(views, out=target)
 
 
 def _source_runs(sizes: list, index) -> list:
@@ -115,83 +201,85 @@ def _source_runs(sizes: list, index) -> list:
     return out
 
 
-def _gather(views: list, dim: int, out: torch.Tensor | None):
-    """Concatenate `views` along `dim` into `out` (or a new contiguous tensor; a single view that is
-    already contiguous is returned as it is); one copy kernel per field."""
-    if out is None:
-        return views[0].contiguous() if len(views) == 1 else torch.cat(views, dim)
-    if len(views) == 1:
-        out.copy_(views[0])
-    elif views:
-        torch.cat(views, dim, out=out)
-    return out
-
-
-# dtypes torch.cat copies natively on every backend; others (float8, complex, wide unsigned) are
-# reinterpreted as integer words, which also keeps them bit-exact
-_NATIVE = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-           torch.bfloat16, torch.float32, torch.float64}
-
-
-def _field(sources: list, tensor, spans: list, batch_dim: int, shape_of, dtype, region):
-    """One field of a selection: `spans` ((source, start, length) along `batch_dim`) of the sources'
-    `tensor(source)`, concatenated in order into `region` (a flat uint8 buffer) or a new tensor."""
-    n = sum(ln for _, _, ln in spans)
-    shape = shape_of(n)
-    if dtype in _NATIVE:  # the common case: one narrow per run and one cat
-        views = [tensor(sources[k]).narrow(batch_dim, s, ln) for k, s, ln in spans if ln]
-        if not views:
-            return torch.empty(shape, dtype=dtype, device=tensor(sources[0]).device) if region is None \
-                else region.view(dtype).view(shape)
-        return _gather(views, batch_dim, None if region is None else region.view(dtype).view(shape))
-    used = {k: tensor(sources[k]).contiguous() for k in dict.fromkeys(k for k, _, _ in spans)} or \
-        {0: tensor(sources[0]).contiguous()}
-    pre, post = _split(shape, batch_dim, dtype.itemsize)
-    if pre * post == 0 or n == 0:
-        first = next(iter(used.values()))
-        return torch.empty(shape, dtype=dtype, device=first.device) if region is None else _from_words(
-            region, dtype, shape)
-    word = _word(post, list(used.values()) + ([] if region is None else [region]))
-    whole = {k: _words(t, batch_dim, word) for k, t in used.items()}
-    views = [whole[k].narrow(1, s, ln) for k, s, ln in spans if ln]
-    out = None if region is None else region.view(word).view(pre, n, post // word.itemsize)
-    return _from_words(_gather(views, 1, out), dtype, shape)
-
-
-def _select(layout: BatchLayout, sources: list, pieces: list, regions=None) -> Shard:
-    """The samples of `pieces` ((source, start, stop) runs over `sources`, a list of _Source) as
-    a new shard; with `regions` (path -> flat uint8 buffer for the field) the fields are written
-    there instead of to new tensors. A shard taken whole is returned as-is (no copy)."""
-    if regions is None and len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == sources[pieces[0][0]].shard.n:
-        return sources[pieces[0][0]].shard  # taken whole, in order: no copy
-    out = Shard(n=sum(b - a for _, a, b in pieces))
-    spans = [(k, a, b - a) for k, a, b in pieces]
-    for f in layout.dense:
-        out.dense[f.path] = _field(sources, lambda src, f=f: src.tensor(f.path, False), spans, f.batch_dim,
-                                   f.full_shape, f.dtype, None if regions is None else regions[f.path])
-    if layout.ragged:
-        if regions is None:  # a packed buffer carries no counts: the receiver has them from the metadata
-            rows = [sources[k].shard.row_counts.numpy()[a:b] for k, a, b in pieces]
-            imgs = [sources[k].shard.image_counts.numpy()[a:b] for k, a, b in pieces]
-            out.row_counts = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
-            out.image_counts = torch.from_numpy(np.concatenate(imgs) if imgs else np.zeros(0, dtype=np.int64))
-        for f in layout.ragged:
-            entry = [(k, *sources[k].entries(f.per, a, b)) for k, a, b in pieces]
-            out.ragged[f.path] = _field(sources, lambda src, f=f: src.tensor(f.path, True), entry, 0,
-                                        lambda n, f=f: (n, *f.entry_shape), f.dtype,
-                                        None if regions is None else regions[f.path])
-    if layout.lists:
-        out.lists = [e for k, a, b in pieces for e in sources[k].shard.lists[a:b]]
-    return out
+def _add_fields(cat: _Concat, dense, ragged, sources: list, pieces: list):
+    """The byte ranges of the selection `pieces` ((source, start, stop) runs) for the given fields,
+    region by region in buffer order, each region padded to ALIGN."""
+    for f in dense:
+        pre, post = _pre_post(f)
+        for p in range(pre):
+            for k, a, b in pieces:
+                cat.add(sources[k].dense(f, p, post, a, b))
+        cat.pad()
+    for f in ragged:
+        for k, a, b in pieces:
+            cat.add(sources[k].ragged(f, a, b))
+        cat.pad()
 
 
 def take(layout: BatchLayout, shards: list, index) -> Shard:
-    """Samples `index` (into the concatenation of `shards`, in that order) as a new shard: one
-    concatenation of contiguous-run views per field; a shard taken whole and in order is returned
-    without a copy."""
+    """Samples `index` (into the concatenation of `shards`, each a Shard or a Packed region, in
+    that order) as a new shard: one copy kernel writes every field into one new buffer (one per
+    device when fields live on several), and the fields are typed views into it. A Shard taken
+    whole and in order is returned without a copy."""
     index = np.asarray(index, dtype=np.int64)
-    sources = [_Source(s) for s in shards]
-    return _select(layout, sources, _source_runs([s.n for s in shards], index))
+    pieces = _source_runs([s.n for s in shards], index)
+    if len(pieces) == 1 and isinstance(shards[pieces[0][0]], Shard) and pieces[0][1] == 0 \
+            and pieces[0][2] == shards[pieces[0][0]].n:
+        return shards[pieces[0][0]]  # taken whole, in order: no copy
+    sources = [_Source(s) if isinstance(s, Shard) else s for s in shards]
+    out = Shard(n=len(index))
+    by_device = {}  # device -> (dense fields, ragged fields), in layout order
+    for f in layout.dense:
+        by_device.setdefault(sources[0].dense(f, 0, 0, 0, 0)[0].device, ([], []))[0].append(f)
+    for f in layout.ragged:
+        by_device.setdefault(sources[0].ragged(f, 0, 0)[0].device, ([], []))[1].append(f)
+    for dev, (dense, ragged) in by_device.items():
+        cat = _Concat()
+        _add_fields(cat, dense, ragged, sources, pieces)
+        buf = torch.empty(cat.size, dtype=torch.uint8, device=dev)
+        cat.write(buf)
+        _view_fields(out, dense, ragged, buf, 0, out.n, _entry_totals(sources, pieces) if ragged else {})
+    if layout.ragged:
+        out.row_counts = torch.from_numpy(_cat_counts(sources, pieces, "row"))
+        out.image_counts = torch.from_numpy(_cat_counts(sources, pieces, "image"))
+    if layout.lists:
+        out.lists = [e for k, a, b in pieces for e in sources[k].lists(a, b)]
+    return out
+
+
+def _cat_counts(sources, pieces, per) -> np.ndarray:
+    parts = [sources[k].counts(per)[a:b] for k, a, b in pieces]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _entry_totals(sources, pieces) -> dict:
+    return {per: int(_cat_counts(sources, pieces, per).sum()) for per in ("row", "image")}
+
+
+def _view_fields(out: Shard, dense, ragged, buf: torch.Tensor, off: int, n: int, totals: dict) -> int:
+    """Typed views of the regions of `dense` and `ragged` fields of n samples, from byte `off` of
+    the uint8 `buf` (a multiple of ALIGN bytes), into the shard `out` (one view op per field, one
+    per dtype); returns the offset after them."""
+    typed = {}
+
+    def view(dtype, shape, off):
+        t = typed.get(dtype)
+        if t is None:
+            t = typed[dtype] = buf.view(dtype)
+        stride, step = [], 1
+        for d in reversed(shape):
+            stride.append(step)
+            step *= d
+        return torch.as_strided(t, shape, stride[::-1], t.storage_offset() + off // dtype.itemsize)
+
+    for f in dense:
+        out.dense[f.path] = view(f.dtype, f.full_shape(n), off)
+        off += _align(n * f.sample_bytes)
+    for f in ragged:
+        k = totals[f.per]
+        out.ragged[f.path] = view(f.dtype, (k, *f.entry_shape), off)
+        off += _align(k * f.entry_bytes)
+    return off
 
 
 def nbytes(layout: BatchLayout, n: int, rows: int, images: int, list_bytes: int) -> int:
@@ -210,56 +298,47 @@ def nbytes_many(layout: BatchLayout, n, rows, images, list_bytes):
     return total
 
 
+def pack_many(layout: BatchLayout, jobs: list, out: torch.Tensor) -> list:
+    """Write the selections `jobs` ((shard, index, blobs or None) each) back to back into the uint8
+    buffer `out` (from offset 0), each in the packed format, with one copy kernel for all of them;
+    returns the bytes written per job. `blobs` are the shard's per-sample pickled list entries
+    (Shard.list_blobs())."""
+    cat, sizes, sources = _Concat(), [], {}
+    for shard, index, blobs in jobs:
+        start = cat.size
+        index = np.asarray(index, dtype=np.int64)
+        src = sources.get(id(shard)) or sources.setdefault(id(shard), _Source(shard))
+        _add_fields(cat, layout.dense, layout.ragged, [src], _source_runs([shard.n], index))
+        if layout.lists:
+            blobs = shard.list_blobs() if blobs is None else blobs
+            data = b"".join(blobs[i] for i in index.tolist())
+            if data:  # an aligned, padded host buffer: the region travels as whole words
+                host = torch.zeros(_align(len(data)), dtype=torch.uint8)
+                host[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                cat.add((host, 0, len(host)))
+        sizes.append(cat.size - start)
+    cat.write(out[:cat.size])
+    return sizes
+
+
 def pack(layout: BatchLayout, shard: Shard, index, out: torch.Tensor, blobs=None) -> int:
     """Write samples `index` of `shard` into the uint8 buffer `out` (from offset 0); returns bytes
     written. `blobs` are the shard's per-sample pickled list entries (Shard.list_blobs())."""
-    index = np.asarray(index, dtype=np.int64)
-    src = _Source(shard)
-    pieces = _source_runs([shard.n], index)
-    n, off, regions = len(index), 0, {}
-    for f in layout.dense:
-        size = n * f.sample_bytes
-        regions[f.path] = out[off:off + size]
-        off += _align(size)
-    if layout.ragged:
-        for f in layout.ragged:
-            k = sum(src.entries(f.per, a, b)[1] for _, a, b in pieces)
-            size = k * f.entry_bytes
-            regions[f.path] = out[off:off + size]
-            off += _align(size)
-    _select(layout, [src], pieces, regions)
-    if layout.lists:
-        blobs = shard.list_blobs() if blobs is None else blobs
-        data = b"".join(blobs[i] for i in index.tolist())
-        if data:
-            out[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        off += _align(len(data))
-    return off
+    return pack_many(layout, [(shard, index, blobs)], out)[0]
 
 
 def unpack(layout: BatchLayout, buf: torch.Tensor, n: int, row_counts: torch.Tensor,
            image_counts: torch.Tensor, list_lens) -> Shard:
     """View a packed buffer of n samples back as a shard (typed views into `buf`, no copy)."""
-    out, off = Shard(n=n), 0
-    for f in layout.dense:
-        size = n * f.sample_bytes
-        out.dense[f.path] = buf[off:off + size].view(f.dtype).view(f.full_shape(n))
-        off += _align(size)
+    out = Shard(n=n)
+    totals = {}
     if layout.ragged:
-        counts = {"row": int(row_counts.numpy().sum()), "image": int(image_counts.numpy().sum())}
-        for f in layout.ragged:
-            k = counts[f.per]
-            size = k * f.entry_bytes
-            out.ragged[f.path] = buf[off:off + size].view(f.dtype).view(k, *f.entry_shape)
-            off += _align(size)
+        totals = {"row": int(row_counts.numpy().sum()), "image": int(image_counts.numpy().sum())}
         out.row_counts, out.image_counts = row_counts, image_counts
+    off = _view_fields(out, layout.dense, layout.ragged, buf, 0, n, totals)
     if layout.lists:
         lens = [int(x) for x in list_lens]
-        data = bytes(buf[off:off + sum(lens)].cpu().numpy())
-        out.lists, pos = [], 0
-        for ln in lens:
-            out.lists.append(pickle.loads(data[pos:pos + ln]))
-            pos += ln
+        out.lists = _unpickle(buf[off:off + sum(lens)], lens)
         off += _align(sum(lens))
     if off != len(buf):
         raise RuntimeError(f"unpack consumed {off} bytes of a {len(buf)}-byte buffer: sender and "

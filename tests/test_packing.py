@@ -113,3 +113,18 @@ def test_take_returns_contiguous_fields():
         for t in list(out.dense.values()) + list(out.ragged.values()):
             assert t.is_contiguous(), t.shape
         assert out.dense[("position_ids",)].equal(g["position_ids"][:, index])
+
+
+def test_unpack_views_a_region_inside_a_larger_buffer():
+    """A packed region that starts inside a larger buffer (as in the receive buffer) views its own
+    bytes, not the buffer's start."""
+    g = syn.make_global_batch(np.random.default_rng(6), 4, 64, features=4)
+    layout, shard = describe(g, 4, vision_start_token_id=syn.VISION_START)
+    sel = np.array([2, 0])
+    size = packing.nbytes(layout, 2, int(shard.row_counts[sel].sum()), int(shard.image_counts[sel].sum()), 0)
+    buf = torch.zeros(size + 2 * packing.ALIGN, dtype=torch.uint8)
+    assert packing.pack(layout, shard, sel, buf[packing.ALIGN:]) == size
+    back = packing.unpack(layout, buf[packing.ALIGN:packing.ALIGN + size], 2, shard.row_counts[sel],
+                          shard.image_counts[sel], [])
+    assert per_sample_bytes(rebuild(g, layout, back), vision_start_token_id=syn.VISION_START) == \
+        [per_sample_bytes(g, vision_start_token_id=syn.VISION_START)[i] for i in sel]

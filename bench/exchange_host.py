@@ -1,0 +1,130 @@
+"""Host time of one window exchange, without the wire: rank 0 of a dp-2 exchange replays the
+collectives' results recorded from a real (emulated, two-thread) run, so what is timed is only
+reorder's own Python/numpy/dispatch work per window. CPU only; toy payloads by default (host work
+does not depend on the payload size).
+
+  PYTHONPATH=. python bench/exchange_host.py [--per-rank 8] [--windows 1] [--reps 200] [--profile]
+
+Prints per-stage medians (µs), aten ops dispatched per exchange by kind, and with --profile the
+cProfile top entries; writes JSON (--json)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from reorder import CostModel, WindowExchanger
+from reorder import synthetic as syn
+from reorder.collectives import run_emulated
+from reorder.grid import Grid
+
+
+class Replay:
+    """Collectives that return recorded results in order (cycling): no wire, no waiting."""
+
+    def __init__(self, rank, size, results):
+        self.rank, self.size, self.results, self.k = rank, size, results, 0
+
+    def _next(self):
+        r = self.results[self.k % len(self.results)]
+        self.k += 1
+        return r
+
+    def all_gather(self, t):
+        return self._next()
+
+    def all_to_all(self, send, send_splits, recv_splits):
+        return self._next()
+
+
+class Record:
+    def __init__(self, inner):
+        self.inner, self.rank, self.size, self.results = inner, inner.rank, inner.size, []
+
+    def all_gather(self, t):
+        self.results.append(self.inner.all_gather(t))
+        return self.results[-1]
+
+    def all_to_all(self, send, send_splits, recv_splits):
+        self.results.append(self.inner.all_to_all(send, send_splits, recv_splits))
+        return self.results[-1]
+
+
+class Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--per-rank", type=int, default=8)
+    p.add_argument("--windows", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--features", type=int, default=8)
+    p.add_argument("--mix", default="small")
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dp, b, w = 2, args.per_rank, args.windows
+    B = dp * b
+    rng = np.random.default_rng(3)
+    globals_ = [syn.make_global_batch(rng, B, args.seq_len, features=args.features, mix=args.mix, first_id=k * B)
+                for k in range(w)]
+    shares = [[syn.rank_share(g, dp, r) for g in globals_] for r in range(dp)]
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+
+    def make(rank, coll, profile=False):
+        return WindowExchanger(grid=Grid(groups=dp, dp=dp, rank=rank), global_batch=B, cost=cost, window_size=w,
+                               collectives=coll, profile_stages=profile)
+
+    recorded = run_emulated(dp, lambda r, c: (lambda rec: (make(r, rec).exchange(shares[r]), rec.results)[1])(Record(c)))
+    ex = make(0, Replay(0, dp, recorded[0]))
+    _, rep = ex.exchange(shares[0])
+    stages, totals = collections.defaultdict(list), []
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        _, rep = ex.exchange(shares[0])
+        totals.append((time.perf_counter() - t) * 1e6)
+        for k, v in rep.stage_ms.items():
+            stages[k].append(v * 1e3)
+    with Count() as c:
+        ex.exchange(shares[0])
+    kinds = collections.Counter()
+    for op, n in c.ops.items():
+        kinds[op.split(".")[1] if op.startswith("aten.") else op] += n
+    out = dict(per_rank=b, windows=w, moved_samples=rep.moved_samples, exchange_us=float(np.median(totals)),
+               stage_us={k: float(np.median(v)) for k, v in stages.items()},
+               aten_ops=sum(c.ops.values()), ops_by_kind=dict(kinds.most_common()))
+    print(f"host time of one exchange (rank 0 of dp 2, {b} per rank, W {w}, {rep.moved_samples} of "
+          f"{rep.total_samples} samples move): {out['exchange_us']:.0f} µs")
+    print("  stages (µs):", {k: round(v) for k, v in out["stage_us"].items()})
+    print(f"  aten ops per exchange: {out['aten_ops']}:", dict(kinds.most_common(12)))
+    if args.profile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.reps):
+            ex.exchange(shares[0])
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
