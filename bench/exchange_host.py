@@ -75,6 +75,7 @@ def main():
     p.add_argument("--mix", default="small")
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -120,7 +121,7 @@ def main():
         for _ in range(args.reps):
             ex.exchange(shares[0])
         pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        pstats.Stats(pr).sort_stats(args.sort).print_stats(30)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

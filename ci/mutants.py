@@ -73,20 +73,20 @@ MUTATIONS = [
              "idx[from_q] = base + np.arange(int(from_q.sum()))[::-1]"),
     # 4a. ragged entry offsets shifted by one sample: every sample's rows start at its neighbour's.
     Mutation("packing ragged offsets off-by-one", "reorder/packing.py",
-             "np.concatenate([[0], np.cumsum(counts.numpy(), dtype=np.int64)])",
-             "np.concatenate([[0, 0], np.cumsum(counts.numpy(), dtype=np.int64)[:-1]])"),
-    # 4b. pack() does not pad the dense regions to ALIGN (unpack/nbytes still do); `k = sum(` is pack-only.
-    Mutation("packing pack skips ALIGN padding (dense)", "reorder/packing.py",
-             "off += _align(size)\n    if layout.ragged:\n        for f in layout.ragged:\n            k = sum(",
-             "off += size\n    if layout.ragged:\n        for f in layout.ragged:\n            k = sum("),
+             "np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])",
+             "np.concatenate([[0, 0], np.cumsum(counts, dtype=np.int64)[:-1]])"),
+    # 4b. the copy does not pad the dense regions to ALIGN (nbytes and the views still do).
+    Mutation("packing copy skips ALIGN padding (dense)", "reorder/packing.py",
+             "cat.add(sources[k].dense(f, p, post, a, b))\n        cat.pad()",
+             "cat.add(sources[k].dense(f, p, post, a, b))"),
     # 5a. spatial merge factor not squared.
     Mutation("cost merge factor not squared", "reorder/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
              "merge2 = float(self.spatial_merge_size)"),
     # 5b. real-token count includes padding.
     Mutation("cost attention mask counts padding", "reorder/cost.py",
-             "real = (m.numpy() != 0).sum(axis=1, dtype=np.int64)",
-             "real = (m.numpy() >= 0).sum(axis=1, dtype=np.int64)"),
+             "(m.numpy() != 0).sum(axis=1, out=out[1])",
+             "(m.numpy() >= 0).sum(axis=1, out=out[1])"),
     # 6. owner of a canonical group round-robin (modulo) instead of contiguous blocks (division).
     Mutation("grid owner modulo instead of division", "reorder/grid.py",
              "return group // self.groups_per_rank",

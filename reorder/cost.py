@@ -46,16 +46,27 @@ class CostModel:
 
     def token_counts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         """Integer counts per sample: (placeholders, real_tokens, images), each int64 [B] on CPU."""
+        counts = self.count_array(input_ids, attention_mask)
+        return torch.from_numpy(counts[0]), torch.from_numpy(counts[1]), torch.from_numpy(counts[2])
+
+    def count_array(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> np.ndarray:
+        """`token_counts` as one int64 numpy array [3, B] (placeholders, real tokens, images): numpy
+        for host tensors (no torch dispatch); on a device, five kernels and one host copy."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [B, S]")
-        if input_ids.device.type == "cpu" and (attention_mask is None or attention_mask.device.type == "cpu"):
-            return self._host_counts(input_ids, attention_mask)
         self._check_mask(attention_mask, input_ids)
-        placeholders = (input_ids == self.image_token_id).sum(dim=1)
-        images = (input_ids == self.vision_start_token_id).sum(dim=1)
-        real = torch.zeros_like(placeholders) if attention_mask is None else (attention_mask != 0).sum(dim=1)
-        counts = torch.stack([placeholders, real.to(placeholders.dtype), images]).cpu()  # one host sync
-        return counts[0], counts[1], counts[2]
+        if input_ids.device.type == "cpu" and (attention_mask is None or attention_mask.device.type == "cpu"):
+            ids = input_ids.numpy()
+            out = np.zeros((3, len(ids)), dtype=np.int64)
+            (ids == self.image_token_id).sum(axis=1, out=out[0])
+            (ids == self.vision_start_token_id).sum(axis=1, out=out[2])
+            if attention_mask is not None:
+                m = attention_mask if attention_mask.dtype != torch.bfloat16 else attention_mask.float()
+                (m.numpy() != 0).sum(axis=1, out=out[1])
+            return out
+        real = torch.zeros_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
+        flags = torch.stack([input_ids == self.image_token_id, real, input_ids == self.vision_start_token_id])
+        return flags.sum(dim=2).cpu().numpy()  # one host sync
 
     def _check_mask(self, attention_mask, input_ids):
         if attention_mask is None:
@@ -68,19 +79,6 @@ class CostModel:
         elif attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0]:
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected "
                              f"[B, S] = {tuple(input_ids.shape)} for the language cost")
-
-    def _host_counts(self, input_ids, attention_mask):
-        """token_counts of host tensors, in numpy (a few microseconds, no torch dispatch)."""
-        self._check_mask(attention_mask, input_ids)
-        ids = input_ids.numpy()
-        placeholders = (ids == self.image_token_id).sum(axis=1, dtype=np.int64)
-        images = (ids == self.vision_start_token_id).sum(axis=1, dtype=np.int64)
-        if attention_mask is None:
-            real = np.zeros_like(placeholders)
-        else:
-            m = attention_mask if attention_mask.dtype != torch.bfloat16 else attention_mask.float()
-            real = (m.numpy() != 0).sum(axis=1, dtype=np.int64)
-        return torch.from_numpy(placeholders), torch.from_numpy(real), torch.from_numpy(images)
 
     def square_patches(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [B] on CPU: sum over the sample's images (runs of placeholder tokens) of patches**2."""

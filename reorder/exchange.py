@@ -88,8 +88,8 @@ def _text_to_int64(text: str) -> np.ndarray:
     return np.frombuffer(text.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), dtype=np.int64)
 
 
-def _int64_to_text(t: torch.Tensor) -> str:
-    return t.numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+def _int64_to_text(t: np.ndarray) -> str:
+    return t.tobytes().rstrip(b"\0").decode(errors="replace")
 
 
 class WindowExchanger:
@@ -148,13 +148,12 @@ class WindowExchanger:
             ids = batch.get("input_ids") if isinstance(batch, dict) else None
             if not isinstance(ids, torch.Tensor):
                 raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
-            placeholders, real, images = self.cost.token_counts(ids, batch.get("attention_mask"))
+            placeholders, real, images = self.cost.count_array(ids, batch.get("attention_mask"))
             layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
-                                     batch_dims=self.batch_dims, image_counts=images)
+                                     batch_dims=self.batch_dims, image_counts=torch.from_numpy(images))
             if layouts and layout != layouts[0]:
                 raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
                                   f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
-            placeholders, real, images = placeholders.numpy(), real.numpy(), images.numpy()
             rows = np.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts.numpy()
             if shard.row_counts is not None:
                 merge2 = self.cost.spatial_merge_size ** 2
@@ -198,7 +197,7 @@ class WindowExchanger:
                 _f64_bits(-1.0 if self.min_gain is None else self.min_gain),
                 _f64_bits(-1.0 if self.min_saving is None else self.min_saving)]
 
-    def _check(self, gathered: torch.Tensor):
+    def _check(self, gathered: np.ndarray):
         """Raise the same ReorderError on every rank if any rank failed or configs differ."""
         h = len(HEADER)
         head_t, texts = gathered[:, :h], gathered[:, h:h + TEXT_BYTES // 8]
@@ -274,14 +273,14 @@ class WindowExchanger:
             meta[t:t + W * b * COLS] = local[2].reshape(-1)
         meta = torch.from_numpy(meta)
         mark("prepare")
-        gathered = self.collectives.all_gather(meta)
+        gathered = self.collectives.all_gather(meta).numpy()
         mark("gather")
         self._check(gathered)
         if W == 0:
             return [], None
         layout, shards, _ = local
         counts = gathered[:, len(HEADER) + TEXT_BYTES // 8:].reshape(dp, self.window_size, b, COLS)[:, :W]
-        counts = counts.permute(1, 0, 2, 3).reshape(W, B, COLS).numpy()  # natural order per slot
+        counts = counts.transpose(1, 0, 2, 3).reshape(W, B, COLS)  # natural order per slot
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)
