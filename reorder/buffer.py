@@ -6,10 +6,12 @@ passes one empty window together so an early-ending rank makes all ranks raise i
 
 overlap=True prepares the next window on a background thread: its own CUDA stream (and
 `torch.cuda.set_device` in the thread), its own process groups (the exchanger passed in must use
-them), a bounded queue (at most 3 windows resident: one being prepared, one queued, one being
-consumed), `record_stream` + an event wait on the consumer side, worker exceptions re-raised on the
-consumer's next `next()`, and a thread that ends on its own when the source is exhausted or on
-`close()` / context-manager exit.
+them), at most `ahead` windows queued or being prepared (default 1: the worker starts window k+1
+when the consumer takes window k, so the device holds the window being consumed plus one in flight
+or queued; ahead=2 also prepares k+2 while k+1 waits, which absorbs jitter at the cost of one more
+window resident), `record_stream` + an event wait on the consumer side, worker exceptions re-raised
+on the consumer's next `next()`, and a thread that ends on its own when the source is exhausted or
+on `close()` / context-manager exit.
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ class ReorderingBuffer:
     """
 
     def __init__(self, source, exchanger: WindowExchanger, *, overlap: bool = False, log_every: int = 0,
-                 get_timeout: float = 1.0):
+                 get_timeout: float = 1.0, ahead: int = 1):
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+            raise ValueError(f"ahead={ahead!r} is invalid: windows prepared ahead of the consumer must be an integer >= 1")
         self._source = iter(source)
         self._ex = exchanger
+        self.ahead = ahead
         self._ready: deque = deque()
         self.reports: deque = deque(maxlen=1000)
         self.log_every = log_every
@@ -73,7 +78,8 @@ class ReorderingBuffer:
         self.overlap = overlap
         if overlap:
             check_overlap_allowed(exchanger.device)
-            self._queue: queue.Queue = queue.Queue(maxsize=1)
+            self._queue: queue.Queue = queue.Queue()
+            self._slots = threading.Semaphore(ahead)  # one per window queued or being prepared
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._worker, name="reorder-overlap", daemon=True)
             self._thread.start()
@@ -133,13 +139,10 @@ class ReorderingBuffer:
     # ---- overlap ---------------------------------------------------------------------------
 
     def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        if self._stop.is_set():
+            return False
+        self._queue.put(item)
+        return True
 
     def _worker(self):
         device = self._ex.device
@@ -151,6 +154,8 @@ class ReorderingBuffer:
             ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
             with ctx:
                 while not self._stop.is_set():
+                    if not self._slots.acquire(timeout=0.1):  # the consumer has not taken enough yet
+                        continue
                     window, error = self._read_window()
                     out, report = self._ex.exchange(window, error)
                     if not window:
@@ -174,6 +179,7 @@ class ReorderingBuffer:
                 if not self._thread.is_alive() and self._queue.empty():
                     self._done = True
                     raise RuntimeError("reorder overlap worker ended without a result") from None
+        self._slots.release()
         if item is _END:
             self._done = True
             self._thread.join()

@@ -42,6 +42,7 @@ class ReorderConfig:
     encoder_image_weight: float = 0.0  # cost per image (fixed per-image encoder work)
     min_gain: float | None = None  # cost-benefit gate: relative gain a micro-batch must exceed to move
     min_saving: float | None = None  # cost-benefit gate: saving (cost units) a micro-batch must exceed to move
+    overlap_ahead: int = 1  # with overlap: windows queued or in flight ahead of the one consumed
 
     def __post_init__(self):
         for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
@@ -65,7 +66,7 @@ class ReorderConfig:
                              "megatron_mimo_reorder_language_cost_weight=0.0 (and no quadratic or per-image "
                              "weight): at least one cost weight must be > 0, otherwise every sample costs 0 "
                              "and there is nothing to balance")
-        for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("spatial_merge_size", 1),
+        for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("spatial_merge_size", 1), ("overlap_ahead", 1),
                               ("image_token_id", 0), ("vision_start_token_id", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
@@ -162,6 +163,9 @@ def add_reorder_args(parser: argparse.ArgumentParser):
                    action="store_false", help="run each window's exchange synchronously")
     g.add_argument("--reorder-window-size", dest="megatron_mimo_reorder_window_size", type=int,
                    default=d.window_size, help="micro-batches balanced by one exchange")
+    g.add_argument("--reorder-overlap-ahead", dest="overlap_ahead", type=int, default=d.overlap_ahead,
+                   help="with overlap: windows reordered ahead of the one being consumed (1: at most one "
+                        "more window on the device; 2 absorbs jitter, one more window resident)")
     g.add_argument("--reorder-balancer", dest="balancer", default=d.balancer,
                    help=f"assignment algorithm, one of {sorted(BALANCERS)}")
     g.add_argument("--reorder-encoder-quadratic-weight", dest="encoder_quadratic_weight", type=float,

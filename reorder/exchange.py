@@ -164,9 +164,6 @@ class WindowExchanger:
                                       f"placeholders (x{merge2} = {int(placeholders[i]) * merge2} patches) but grid_thw "
                                       f"gives it {int(rows[i])} patch rows: image counts are mis-sourced or "
                                       f"image_token_id / spatial_merge_size is wrong")
-            if self.device is not None:  # counts were taken where the batch lives; payloads move now
-                shard.dense = {k: v.to(self.device, non_blocking=True) for k, v in shard.dense.items()}
-                shard.ragged = {k: v.to(self.device, non_blocking=True) for k, v in shard.ragged.items()}
             blobs = shard.list_blobs()
             layouts.append(layout)
             shards.append((shard, blobs))
@@ -308,8 +305,7 @@ class WindowExchanger:
         send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
         send_sizes = _piece_sizes(layout, flat, send_nat, W, B)
         recv_sizes = _piece_sizes(layout, flat, routes.recv_natural, W, B)
-        device = shards[0][0].dense[("input_ids",)].device
-        send = torch.empty(int(send_sizes.sum()), dtype=torch.uint8, device=device)
+        send = torch.empty(int(send_sizes.sum()), dtype=torch.uint8, device=self._device(shards))
         jobs = [(shards[s][0], ids[ids // b == s] % b, shards[s][1])
                 for ids in routes.send_index for s in range(W)]  # wire order: peer-major, then slot
         written = packing.pack_many(layout, jobs, send)
@@ -340,7 +336,11 @@ class WindowExchanger:
         b = self.local_batch
         if len(np.unique(idx)) != b or idx.min() < 0 or idx.max() >= sum(x.n for x in sources):
             raise ReorderError(f"rank {self.grid.rank} slot {slot}: {what} index is not {b} unique samples")
-        return rebuild(batch, layout, packing.take(layout, sources, idx))
+        return rebuild(batch, layout, packing.take(layout, sources, idx, self.device))
+
+    def _device(self, shards) -> torch.device:
+        """Where payloads go: `device`, else where input_ids lives."""
+        return self.device or shards[0][0].dense[("input_ids",)].device
 
     def _moved(self, orders) -> np.ndarray:
         """bool: which natural samples change rank (with cross_slot: change (slot, rank))."""
@@ -396,8 +396,7 @@ class WindowExchanger:
                     if v != v2 and len(rts[v2].recv_natural[v]):
                         ids = rts[v2].recv_natural[v]
                         recv_pieces.append((q, v, v2, ids, size(ids)))
-        device = shards[0][0].dense[("input_ids",)].device
-        send = torch.empty(sum(p[4] for p in send_pieces), dtype=torch.uint8, device=device)
+        send = torch.empty(sum(p[4] for p in send_pieces), dtype=torch.uint8, device=self._device(shards))
         written = packing.pack_many(layout, [(shards[v // dp][0], idx, shards[v // dp][1])
                                              for _, v, _, idx, _ in send_pieces], send)
         assert written == [p[4] for p in send_pieces], written
@@ -427,9 +426,10 @@ class WindowExchanger:
             out = batches
         elif cross:  # orders hold flat ids into the window: take from all local micro-batches
             every = [shard for shard, _ in shards]
-            out = [rebuild(batch, layout, packing.take(layout, every, orders[s])) for s, batch in enumerate(batches)]
+            out = [rebuild(batch, layout, packing.take(layout, every, orders[s], self.device))
+                   for s, batch in enumerate(batches)]
         else:
-            out = [rebuild(batch, layout, packing.take(layout, [shard], orders[s]))
+            out = [rebuild(batch, layout, packing.take(layout, [shard], orders[s], self.device))
                    for s, (batch, (shard, _)) in enumerate(zip(batches, shards))]
         after = costs.reshape(-1)[orders.reshape(-1)].reshape(orders.shape).sum(axis=1, keepdims=True) if cross \
             else rank_loads(costs, orders, 1)

@@ -264,4 +264,5 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
                          window_size=cfg.window_size, collectives=rg.side if cfg.overlap else rg.main,
                          device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot, min_gain=cfg.min_gain,
                          min_saving=cfg.min_saving)
-    return ReorderingBuffer(iter(data_iterator), ex, overlap=cfg.overlap, log_every=log_every)
+    return ReorderingBuffer(iter(data_iterator), ex, overlap=cfg.overlap, log_every=log_every,
+                            ahead=cfg.overlap_ahead)

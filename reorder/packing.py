@@ -137,6 +137,7 @@ def _unpickle(data: torch.Tensor, list_lens) -> list:
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+BIG = 1 << 20  # bytes: a range this large is copied on its own (memcpy), smaller ones are batched in a cat
 _ZEROS = {}  # (device, word dtype) -> ALIGN zero bytes (the padding between regions)
 
 
@@ -159,8 +160,11 @@ class _Concat:
             self.size += gap
 
     def write(self, out: torch.Tensor):
-        """Copy the ranges into the uint8 tensor `out` (self.size bytes): one kernel, as int64 words
-        when every offset and length allows (else the widest word that divides them all)."""
+        """Copy the ranges into the uint8 tensor `out` (self.size bytes), as int64 words when every
+        offset and length allows (else the widest word that divides them all): consecutive small
+        ranges on out's device with one torch.cat, a range of BIG bytes or more with one copy
+        (a device memcpy runs at full bandwidth, the cat kernel does not), a range on another device
+        (pinned host memory) with one direct copy to out (no staging copy of its whole tensor)."""
         if not self.parts:
             return
         dev, bases = out.device, {}
@@ -168,21 +172,35 @@ class _Concat:
         for base, start, length in self.parts:
             bits |= start | length
             if base is not None and id(base) not in bases:
-                b = bases[id(base)] = base if base.device == dev else base.to(dev)
-                bits |= b.data_ptr() | b.numel() * b.dtype.itemsize
+                bases[id(base)] = base
+                bits |= base.data_ptr() | base.numel() * base.dtype.itemsize
         w = min(8, bits & -bits) if bits else 8
         word = _WORDS[w]
         zeros = _ZEROS.get((dev, word))
         if zeros is None:
             zeros = _ZEROS[dev, word] = torch.zeros(ALIGN // w, dtype=word, device=dev)
         words = {k: v if v.dtype == word else v.view(word) for k, v in bases.items()}
-        views = [(zeros if base is None else words[id(base)]).narrow(0, start // w, length // w)
-                 for base, start, length in self.parts]
-        target = out.view(word)
-        if len(views) == 1:
-            target.copy_(views[0])
-        else:
-            torch.cat(views, out=target)
+        target, at, batch, batch_at = out.view(word), 0, [], 0  # batch: small ranges from batch_at on
+        asynchronous = dev.type == "cuda"  # to a host tensor, copies block until done
+
+        def flush():
+            if len(batch) == 1:
+                target.narrow(0, batch_at, batch[0].numel()).copy_(batch[0])
+            elif batch:
+                torch.cat(batch, out=target.narrow(0, batch_at, at - batch_at))
+            batch.clear()
+
+        for base, start, length in self.parts:
+            v = (zeros if base is None else words[id(base)]).narrow(0, start // w, length // w)
+            if base is not None and (length >= BIG or base.device != dev):
+                flush()
+                target.narrow(0, at, v.numel()).copy_(v, non_blocking=asynchronous)
+            else:
+                if not batch:
+                    batch_at = at
+                batch.append(v)
+            at += length // w
+        flush()
 
 
 def _source_runs(sizes: list, index) -> list:
@@ -216,23 +234,29 @@ def _add_fields(cat: _Concat, dense, ragged, sources: list, pieces: list):
         cat.pad()
 
 
-def take(layout: BatchLayout, shards: list, index) -> Shard:
+def take(layout: BatchLayout, shards: list, index, device: torch.device | None = None) -> Shard:
     """Samples `index` (into the concatenation of `shards`, each a Shard or a Packed region, in
-    that order) as a new shard: one copy kernel writes every field into one new buffer (one per
-    device when fields live on several), and the fields are typed views into it. A Shard taken
-    whole and in order is returned without a copy."""
+    that order) as a new shard on `device` (None: where each field's first source lives): every
+    field is written into one new buffer (`_Concat.write`: batched small ranges, big ranges and
+    ranges from another device copied directly), and the fields are typed views into it. A Shard
+    taken whole and in order, already on `device`, is returned without a copy."""
     index = np.asarray(index, dtype=np.int64)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     pieces = _source_runs([s.n for s in shards], index)
     if len(pieces) == 1 and isinstance(shards[pieces[0][0]], Shard) and pieces[0][1] == 0 \
-            and pieces[0][2] == shards[pieces[0][0]].n:
-        return shards[pieces[0][0]]  # taken whole, in order: no copy
+            and pieces[0][2] == shards[pieces[0][0]].n and (device is None or all(
+                t.device == device for t in (*shards[pieces[0][0]].dense.values(), *shards[pieces[0][0]].ragged.values()))):
+        return shards[pieces[0][0]]  # taken whole, in order, in place: no copy
     sources = [_Source(s) if isinstance(s, Shard) else s for s in shards]
     out = Shard(n=len(index))
     by_device = {}  # device -> (dense fields, ragged fields), in layout order
     for f in layout.dense:
-        by_device.setdefault(sources[0].dense(f, 0, 0, 0, 0)[0].device, ([], []))[0].append(f)
+        dev = device or sources[0].dense(f, 0, 0, 0, 0)[0].device
+        by_device.setdefault(dev, ([], []))[0].append(f)
     for f in layout.ragged:
-        by_device.setdefault(sources[0].ragged(f, 0, 0)[0].device, ([], []))[1].append(f)
+        dev = device or sources[0].ragged(f, 0, 0)[0].device
+        by_device.setdefault(dev, ([], []))[1].append(f)
     for dev, (dense, ragged) in by_device.items():
         cat = _Concat()
         _add_fields(cat, dense, ragged, sources, pieces)

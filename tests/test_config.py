@@ -144,5 +144,9 @@ def test_shadow_flag_round_trip():
     assert ReorderConfig(megatron_mimo_reorder_encoder_cost_weight=0.0, encoder_image_weight=1.0).encoder_image_weight == 1.0
     assert (ReorderConfig().min_gain, ReorderConfig().min_saving) == (None, None)
     assert ReorderConfig().cross_slot is False
+    assert ReorderConfig.from_args(p.parse_args(["--reorder-overlap-ahead", "2"])).overlap_ahead == 2
+    assert ReorderConfig().overlap_ahead == 1
+    with pytest.raises(ValueError, match="overlap_ahead=0: must be an integer >= 1"):
+        ReorderConfig(overlap_ahead=0)
     with pytest.raises(ValueError, match="shadow='yes': must be a bool"):
         ReorderConfig(shadow="yes")

@@ -213,6 +213,7 @@ def _rank_main(rank, world, grids, cfg_kwargs):
     src = (rm.select_fields(syn.rank_share(g, dp, rank % dp), fields + ("sample_id",)) for g in _global_batches(5))
     buf = rm.wrap(src, config=cfg, module="language", grids=grids, global_batch=B, fixed_width_padding=True,
                   timeout=datetime.timedelta(seconds=60))
+    assert buf.ahead == cfg.overlap_ahead
     got = [mb["sample_id"].tolist() for mb in buf]
     buf.close()
     everyone = [None] * world
@@ -238,7 +239,8 @@ def test_wrap_dp1_permutes_locally():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_wrap_colocated_dp2_from_grids(overlap):
     grids = {"images": grid4(dp=2), "language": grid4(dp=2)}  # colocated: both modules on ranks 0, 1
-    got = _launch(2, grids, megatron_mimo_reorder_overlap=overlap, megatron_mimo_reorder_language_cost_weight=0.5)
+    got = _launch(2, grids, megatron_mimo_reorder_overlap=overlap, megatron_mimo_reorder_language_cost_weight=0.5,
+                  overlap_ahead=2 if overlap else 1)
     cfg = ReorderConfig(megatron_mimo_reorder_language_cost_weight=0.5)
     for rank in range(2):
         assert got[rank] == [_expected_ids(g, cfg, 2, rank, 2) for g in _global_batches(5)]

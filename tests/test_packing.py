@@ -128,3 +128,18 @@ def test_unpack_views_a_region_inside_a_larger_buffer():
                           shard.image_counts[sel], [])
     assert per_sample_bytes(rebuild(g, layout, back), vision_start_token_id=syn.VISION_START) == \
         [per_sample_bytes(g, vision_start_token_id=syn.VISION_START)[i] for i in sel]
+
+
+@pytest.mark.parametrize("big", [1, 64, 1 << 40])
+def test_big_ranges_are_copied_on_their_own_bit_exact(big, monkeypatch):
+    """Ranges of BIG bytes or more are copied one by one, smaller ones batched in one cat: every
+    split of the same selection gives the same bytes (pack, unpack and take)."""
+    monkeypatch.setattr(packing, "BIG", big)
+    g = syn.make_global_batch(np.random.default_rng(8), 6, 128, features=5, mix="small")
+    g["note"] = [f"n{i}" * i for i in range(6)]
+    out = pack_roundtrip(g, [5, 1, 2, 0])
+    want = per_sample_bytes(g, vision_start_token_id=syn.VISION_START)
+    assert per_sample_bytes(out, vision_start_token_id=syn.VISION_START) == [want[i] for i in [5, 1, 2, 0]]
+    layout, shard = describe(g, 6, vision_start_token_id=syn.VISION_START)
+    took = rebuild(g, layout, packing.take(layout, [shard], [3, 4, 0]))
+    assert per_sample_bytes(took, vision_start_token_id=syn.VISION_START) == [want[i] for i in [3, 4, 0]]

@@ -1,0 +1,45 @@
+"""ReorderingBuffer with overlap: how far the worker runs ahead of the consumer (GPU memory bound)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from reorder import CostModel, WindowExchanger
+from reorder import synthetic as syn
+from reorder.buffer import ReorderingBuffer
+from reorder.grid import Grid
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_worker_prepares_at_most_ahead_windows_beyond_the_consumer(ahead):
+    rng = np.random.default_rng(0)
+    W, n = 2, 12
+    batches = [syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k) for k in range(n)]
+    pulled, lock = [0], threading.Lock()
+
+    def source():
+        for b in batches:
+            with lock:
+                pulled[0] += 1
+            yield b
+
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4, window_size=W,
+                         cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
+    seen, worst = [], 0
+    with ReorderingBuffer(source(), ex, overlap=True, ahead=ahead) as buf:
+        for k, mb in enumerate(buf):
+            seen += mb["sample_id"].tolist()
+            time.sleep(0.02)  # a slow consumer: the worker has every chance to run ahead
+            windows_taken = k // W + 1
+            with lock:
+                worst = max(worst, pulled[0] - windows_taken * W)
+    assert sorted(seen) == list(range(4 * n))  # every sample exactly once
+    assert worst == ahead * W  # it does run ahead, and never further
+
+
+def test_ahead_must_be_a_positive_integer():
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4, cost=CostModel())
+    with pytest.raises(ValueError, match="ahead=0 is invalid"):
+        ReorderingBuffer(iter([]), ex, overlap=True, ahead=0)
