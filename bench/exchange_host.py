@@ -74,6 +74,7 @@ def main():
     p.add_argument("--features", type=int, default=8)
     p.add_argument("--mix", default="small")
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--min-saving", type=float, default=None, help="gate threshold (1e18: every slot gated)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     p.add_argument("--json")
@@ -89,7 +90,7 @@ def main():
 
     def make(rank, coll, profile=False):
         return WindowExchanger(grid=Grid(groups=dp, dp=dp, rank=rank), global_batch=B, cost=cost, window_size=w,
-                               collectives=coll, profile_stages=profile)
+                               collectives=coll, profile_stages=profile, min_saving=args.min_saving)
 
     recorded = run_emulated(dp, lambda r, c: (lambda rec: (make(r, rec).exchange(shares[r]), rec.results)[1])(Record(c)))
     ex = make(0, Replay(0, dp, recorded[0]))

@@ -54,6 +54,8 @@ def rank_source(args, module, dp, rank, device):
         if args.case == "early_end" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             return
         share = syn.module_view(syn.rank_share(g, dp, rank), fields)
+        if device is not None and k % 2:  # half the micro-batches in pinned host memory (asynchronous copies)
+            share = syn.pin(share)
         if args.case == "bad_input" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             share = dict(share, input_ids=share["input_ids"][:, :-1])  # wrong width on one rank only
         yield share

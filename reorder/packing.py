@@ -161,10 +161,10 @@ class _Concat:
 
     def write(self, out: torch.Tensor):
         """Copy the ranges into the uint8 tensor `out` (self.size bytes), as int64 words when every
-        offset and length allows (else the widest word that divides them all): consecutive small
-        ranges on out's device with one torch.cat, a range of BIG bytes or more with one copy
-        (a device memcpy runs at full bandwidth, the cat kernel does not), a range on another device
-        (pinned host memory) with one direct copy to out (no staging copy of its whole tensor)."""
+        offset and length allows (else the widest word that divides them all): a range of BIG bytes
+        or more with one copy of its own (a device memcpy runs at full bandwidth, the cat kernel does
+        not); consecutive smaller ranges on one device with one torch.cat, on out's device directly,
+        on another (pinned host memory) into a staging buffer there and then one copy to out."""
         if not self.parts:
             return
         dev, bases = out.device, {}
@@ -176,31 +176,50 @@ class _Concat:
                 bits |= base.data_ptr() | base.numel() * base.dtype.itemsize
         w = min(8, bits & -bits) if bits else 8
         word = _WORDS[w]
-        zeros = _ZEROS.get((dev, word))
-        if zeros is None:
-            zeros = _ZEROS[dev, word] = torch.zeros(ALIGN // w, dtype=word, device=dev)
         words = {k: v if v.dtype == word else v.view(word) for k, v in bases.items()}
-        target, at, batch, batch_at = out.view(word), 0, [], 0  # batch: small ranges from batch_at on
+        target, at = out.view(word), 0
+        batch, where = [], [dev, 0]  # small ranges waiting, and (their device, their start in out)
         asynchronous = dev.type == "cuda"  # to a host tensor, copies block until done
 
         def flush():
-            if len(batch) == 1:
-                target.narrow(0, batch_at, batch[0].numel()).copy_(batch[0])
-            elif batch:
-                torch.cat(batch, out=target.narrow(0, batch_at, at - batch_at))
+            if not batch:
+                return
+            src_dev, first = where
+            dst = target.narrow(0, first, at - first)
+            if src_dev == dev:
+                dst.copy_(batch[0]) if len(batch) == 1 else torch.cat(batch, out=dst)
+            else:
+                staged = batch[0] if len(batch) == 1 else torch.cat(batch, out=torch.empty(
+                    at - first, dtype=word, device=src_dev, pin_memory=src_dev.type == "cpu" and asynchronous))
+                dst.copy_(staged, non_blocking=asynchronous)
             batch.clear()
 
         for base, start, length in self.parts:
-            v = (zeros if base is None else words[id(base)]).narrow(0, start // w, length // w)
-            if base is not None and (length >= BIG or base.device != dev):
+            if base is None:  # padding: zeros on the device of the ranges around it
+                src_dev = where[0] if batch else dev
+                v = _zeros(src_dev, word).narrow(0, 0, length // w)
+            else:
+                src_dev = base.device
+                v = words[id(base)].narrow(0, start // w, length // w)
+            if base is not None and length >= BIG:
                 flush()
                 target.narrow(0, at, v.numel()).copy_(v, non_blocking=asynchronous)
             else:
+                if batch and src_dev != where[0]:
+                    flush()
                 if not batch:
-                    batch_at = at
+                    where[:] = src_dev, at
                 batch.append(v)
             at += length // w
         flush()
+
+
+def _zeros(device: torch.device, word: torch.dtype) -> torch.Tensor:
+    """ALIGN zero bytes on `device` as `word`s (the padding between regions), made once."""
+    z = _ZEROS.get((device, word))
+    if z is None:
+        z = _ZEROS[device, word] = torch.zeros(ALIGN // word.itemsize, dtype=word, device=device)
+    return z
 
 
 def _source_runs(sizes: list, index) -> list:
