@@ -312,6 +312,7 @@ class WindowExchanger:
         assert written == send_sizes.reshape(-1).tolist(), (written, send_sizes)
         mark("pack")
         recv = self.collectives.all_to_all(send, send_sizes.sum(axis=1).tolist(), recv_sizes.sum(axis=1).tolist())
+        sent, send = len(send), None  # freed before the output is allocated (the collective keeps its own ref)
         if len(recv) != int(recv_sizes.sum()):
             raise ReorderError(f"rank {r} received {len(recv)} bytes, expected {int(recv_sizes.sum())}")
         mark("all_to_all")
@@ -328,7 +329,7 @@ class WindowExchanger:
             sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]
             out.append(self._reassembled(batches[s], layout, sources, routes.gather[s], s, "reassembly"))
         mark("assemble")
-        return out, self._report(layout, flat, costs, orders, moved, gated, len(send), plan_ms, t0, marks)
+        return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
 
     def _reassembled(self, batch, layout, sources, idx, slot, what):
         """Micro-batch `batch` holding samples `idx` of the concatenated `sources`; raises the same
@@ -353,13 +354,16 @@ class WindowExchanger:
         """The window's figures; module-wide moves from the plan (what would move, in shadow mode)."""
         dp = self.grid.dp
         w, batch = orders.shape
-        if self.cross_slot and w > 1:
+        before = rank_loads(costs, None, dp)
+        if gated.all():  # natural order everywhere
+            after = before
+        elif self.cross_slot and w > 1:
             after = costs.reshape(-1)[orders.reshape(-1)].reshape(w, dp, batch // dp).sum(axis=2)
         else:
             after = rank_loads(costs, orders, dp)
         sample_bytes = (layout.dense_sample_bytes + flat[:, 3] * layout.row_bytes + flat[:, 2] * layout.image_bytes
                         + flat[:, 4])
-        return WindowReport(slots=len(orders), orders=orders, loads_before=rank_loads(costs, None, dp),
+        return WindowReport(slots=len(orders), orders=orders, loads_before=before,
                             loads_after=after, moved_samples=int(moved.sum()),
                             total_samples=orders.size, moved_bytes=int(sample_bytes[moved.reshape(-1)].sum()),
                             sent_bytes=sent_bytes, plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,

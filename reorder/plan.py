@@ -79,7 +79,8 @@ def plan_gated_orders(costs: np.ndarray, groups: int, balancer: str, min_gain: f
     hopeless[open_] = _does_not_pay(before[open_], np.array([lower_bound(costs[s], groups) for s in open_]),
                                     min_gain, min_saving)
     orders = np.tile(np.arange(batch, dtype=np.int64), (w, 1))
-    if not hopeless.all():
-        orders[~hopeless] = plan_orders(costs[~hopeless], groups, balancer)
+    if hopeless.all():  # natural everywhere: saving 0 fails either test, so every slot is gated
+        return orders, hopeless
+    orders[~hopeless] = plan_orders(costs[~hopeless], groups, balancer)
     after = rank_loads(costs, orders, groups).max(axis=1)
     return _keep_natural(orders, _does_not_pay(before, after, min_gain, min_saving))
