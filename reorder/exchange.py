@@ -98,7 +98,8 @@ class WindowExchanger:
     grid: this rank's place (G, dp, rank); global_batch: B; cost: the cost model; balancer: name;
     window_size: most slots per window (metadata is sized for it); collectives: the module's DP
     group (None only when dp == 1); batch_dims: overrides of per-field batch dims; device: where
-    payloads go (counts are taken where the batch lives); min_gain / min_saving: cost-benefit gate
+    the reordered micro-batches go (counts are taken, and payloads copied straight from, where the
+    batch lives, e.g. pinned host memory); min_gain / min_saving: cost-benefit gate
     (plan.gate_orders: relative gain / saving in cost units a slot must exceed to move); shadow: plan
     and report what reordering would do (WindowReport) but return the micro-batches unchanged;
     cross_slot: plan one equal-count assignment over the window's W x G (slot, group) cells.

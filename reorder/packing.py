@@ -1,8 +1,9 @@
 """Byte-exact sample packing: select samples of shards, pack them into one contiguous uint8 buffer,
 and view them back. A selection is a list of runs of consecutive samples. Every field of a run is a
 contiguous byte range of its source (one range per leading index when the batch dim is not 0, e.g.
-MRoPE position_ids [3, B, S]), so a whole selection, all its fields, is written by ONE torch.cat of
-narrow views of those byte ranges (as the widest integer word their offsets allow) with zero
+MRoPE position_ids [3, B, S]), so a whole selection, all its fields, is written into one buffer
+by a few copies of narrow views of those byte ranges (as the widest integer word their offsets
+allow; `_Concat.write`: small ranges batched in one torch.cat, big ones by memcpy) with zero
 padding between regions: every dtype travels bit-for-bit, and there is never an index tensor, a
 host-to-device index copy or one Python call per sample per field. A reassembled micro-batch is one
 new buffer in the same format; its fields are typed views into it.
@@ -56,8 +57,8 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
 
 
 class _Source:
-    """One shard as byte ranges: each field flattened once to a uint8 view (a copy only if the
-    field is not contiguous), ragged entry offsets made on first use."""
+    """One shard as byte ranges: each field flattened once to a 1-D view of its own dtype (a copy
+    only if the field is not contiguous), ragged entry offsets made on first use."""
 
     def __init__(self, shard: Shard):
         self.shard, self.n, self._flat, self._starts, self._counts = shard, shard.n, {}, {}, {}
@@ -96,7 +97,7 @@ class Packed:
     metadata)."""
 
     def __init__(self, layout: BatchLayout, buf: torch.Tensor, offset: int, n: int, rows, images, list_lens):
-        self.buf, self.n, self.layout = buf, n, layout
+        self.buf, self.n = buf, n
         self._counts = {"row": np.asarray(rows, dtype=np.int64), "image": np.asarray(images, dtype=np.int64)}
         self._list_lens, self._lists, self._starts, self._region = list_lens, None, {}, {}
         off = offset
@@ -142,8 +143,8 @@ _ZEROS = {}  # (device, word dtype) -> ALIGN zero bytes (the padding between reg
 
 
 class _Concat:
-    """Byte ranges (base, start, length) to write back to back with one torch.cat; a base is a
-    flat contiguous tensor of any dtype (offsets in bytes), None is zero padding."""
+    """Byte ranges (base, start, length) to write back to back into one buffer (`write`); a base
+    is a flat contiguous tensor of any dtype (offsets in bytes), None is zero padding."""
 
     def __init__(self):
         self.parts, self.size = [], 0

@@ -35,3 +35,19 @@ def test_benchmark_writes_the_issue_keys(tmp_path, script, args, keys):
     assert result["device"] == "cpu x2"
     for k in keys:
         assert isinstance(result[k], float) and math.isfinite(result[k]), (k, result.get(k))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["moving", "gated"])
+def test_exchange_host_bench_replays_a_real_exchange(tmp_path, gated):
+    """bench/exchange_host.py times rank 0's host work with the collectives' recorded results: the
+    replayed window moves samples (or, gated, moves none) and the stages it reports add up."""
+    out = tmp_path / "host.json"
+    args = [sys.executable, str(ROOT / "bench" / "exchange_host.py"), "--reps", "5", "--json", str(out)]
+    res = subprocess.run(args + (["--min-saving", "1e18"] if gated else []), cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["moved_samples"] == 0) == gated
+    assert set(r["stage_us"]) == {"prepare", "gather", "plan", "pack", "all_to_all", "assemble"}
+    assert 0 < sum(r["stage_us"].values()) <= 1.5 * r["exchange_us"]
+    assert r["aten_ops"] > 0 and ("cat" in r["ops_by_kind"]) != gated
