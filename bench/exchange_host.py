@@ -44,6 +44,8 @@ class Replay:
 
 
 class Record:
+    """Collectives that pass through to `inner` and keep every result."""
+
     def __init__(self, inner):
         self.inner, self.rank, self.size, self.results = inner, inner.rank, inner.size, []
 
@@ -92,7 +94,12 @@ def main():
         return WindowExchanger(grid=Grid(groups=dp, dp=dp, rank=rank), global_batch=B, cost=cost, window_size=w,
                                collectives=coll, profile_stages=profile, min_saving=args.min_saving)
 
-    recorded = run_emulated(dp, lambda r, c: (lambda rec: (make(r, rec).exchange(shares[r]), rec.results)[1])(Record(c)))
+    def record(rank, coll):  # one real exchange per rank (two threads); keep what the collectives returned
+        rec = Record(coll)
+        make(rank, rec).exchange(shares[rank])
+        return rec.results
+
+    recorded = run_emulated(dp, record)
     ex = make(0, Replay(0, dp, recorded[0]))
     _, rep = ex.exchange(shares[0])
     stages, totals = collections.defaultdict(list), []
