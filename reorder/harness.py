@@ -33,8 +33,9 @@ class ModuleResult:
 
 
 def run_window(global_batches, dp_by_module: dict, *, cost: CostModel, balancer: str = "lpt",
-               window_size: int | None = None, batch_dims=None) -> dict:
-    """Exchange one window for every module (fields per MODULE_FIELDS, or all fields)."""
+               window_size: int | None = None, batch_dims=None, exchanger_kwargs: dict | None = None) -> dict:
+    """Exchange one window for every module (fields per MODULE_FIELDS, or all fields);
+    exchanger_kwargs: more WindowExchanger arguments (device, early_copy, ...)."""
     groups = canonical_grid(list(dp_by_module.values()))
     B = global_batches[0]["input_ids"].shape[0]
     out = {}
@@ -44,7 +45,8 @@ def run_window(global_batches, dp_by_module: dict, *, cost: CostModel, balancer:
         def rank_fn(r, coll, dp=dp, fields=fields):
             ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), global_batch=B, cost=cost,
                                  balancer=balancer, window_size=window_size or len(global_batches),
-                                 collectives=coll if dp > 1 else None, batch_dims=batch_dims)
+                                 collectives=coll if dp > 1 else None, batch_dims=batch_dims,
+                                 **(exchanger_kwargs or {}))
             mine = [syn.rank_share(g, dp, r) for g in global_batches]
             return ex.exchange([mine_s if fields is None else syn.module_view(mine_s, fields) for mine_s in mine])
 

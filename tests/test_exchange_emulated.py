@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from reorder import CostModel, Grid, ReorderError, WindowExchanger, harness, run_emulated
 from reorder import synthetic as syn
+from spec.samples import per_sample_bytes
 
 LAYOUTS = [(1, 2), (2, 4), (2, 3), (1, 4), (4, 8), (3, 6)]
 COST = CostModel()
@@ -306,3 +307,19 @@ def test_reorder_inside_each_rank_only_moves_nothing_and_keeps_every_invariant()
     assert sorted(order[:4]) == [0, 1, 2, 3] and order[:4] != [0, 1, 2, 3]  # reordered inside rank 0
     assert vision.outputs[0][0]["sample_id"].tolist() == [int(g["sample_id"][i]) for i in order[:4]]
     assert res["language"].reports[0].moved_samples == 2
+
+
+@pytest.mark.parametrize("dps", [(2, 4), (1, 2)], ids=str)
+def test_early_copy_gives_the_same_window(dps):
+    """early_copy=True (copy to `device` before planning, the synchronous path of `wrap`) and the
+    default (copy straight into the output after planning) hand out byte-identical micro-batches."""
+    batches = windows_for(41, 8, 3)
+    runs = [harness.run_window(batches, {"vision": dps[0], "language": dps[1]}, cost=COST, window_size=4,
+                               exchanger_kwargs=dict(device="cpu", early_copy=early)) for early in (False, True)]
+    for res in runs:
+        harness.check_window(batches, res, cost=COST, balancer="lpt", vision_start_token_id=syn.VISION_START)
+    for module in runs[0]:
+        for a, b in zip(runs[0][module].outputs, runs[1][module].outputs):
+            for x, y in zip(a, b):
+                assert per_sample_bytes(x, vision_start_token_id=syn.VISION_START) == \
+                    per_sample_bytes(y, vision_start_token_id=syn.VISION_START)

@@ -214,6 +214,7 @@ def _rank_main(rank, world, grids, cfg_kwargs):
     buf = rm.wrap(src, config=cfg, module="language", grids=grids, global_batch=B, fixed_width_padding=True,
                   timeout=datetime.timedelta(seconds=60))
     assert buf.ahead == cfg.overlap_ahead
+    assert buf._ex.early_copy == (not cfg.overlap)  # synchronous: the copy to the device starts before planning
     got = [mb["sample_id"].tolist() for mb in buf]
     buf.close()
     everyone = [None] * world
