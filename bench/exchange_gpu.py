@@ -49,18 +49,7 @@ def _tensors(batch):
 def host_costs(dev, exchange_once):
     """What one exchange costs the host CPU: aten ops it dispatches (counted once) and the time of a
     view op, of a kernel launch (no sync) and of a small numpy op on this machine, in microseconds."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
+    from exchange_host import Count  # bench/ is on sys.path when this runs as a script
 
     with Count() as c:
         exchange_once()

@@ -59,6 +59,8 @@ class Record:
 
 
 class Count(TorchDispatchMode):
+    """Counts the aten ops dispatched inside its `with` block (`ops`: op name -> calls)."""
+
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()

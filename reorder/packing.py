@@ -99,15 +99,10 @@ class Packed:
     def __init__(self, layout: BatchLayout, buf: torch.Tensor, offset: int, n: int, rows, images, list_lens):
         self.buf, self.n = buf, n
         self._counts = {"row": np.asarray(rows, dtype=np.int64), "image": np.asarray(images, dtype=np.int64)}
-        self._list_lens, self._lists, self._starts, self._region = list_lens, None, {}, {}
-        off = offset
-        for f in layout.dense:
-            self._region[f.path] = off
-            off += _align(n * f.sample_bytes)
+        self._list_lens, self._lists, self._starts = list_lens, None, {}
         totals = {per: int(c.sum()) for per, c in self._counts.items()} if layout.ragged else {}
-        for f in layout.ragged:
-            self._region[f.path] = off
-            off += _align(totals[f.per] * f.entry_bytes)
+        regions, off = _regions(layout.dense, layout.ragged, offset, n, totals)
+        self._region = {f.path: at for f, at in regions}
         self._lists_at, self.end = off, off + _align(int(np.sum(list_lens))) if layout.lists else off
 
     def counts(self, per: str) -> np.ndarray:
@@ -277,15 +272,17 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | None =
     for f in layout.ragged:
         dev = device or sources[0].ragged(f, 0, 0)[0].device
         by_device.setdefault(dev, ([], []))[1].append(f)
+    totals = {}
+    if layout.ragged:
+        rows, images = _cat_counts(sources, pieces, "row"), _cat_counts(sources, pieces, "image")
+        out.row_counts, out.image_counts = torch.from_numpy(rows), torch.from_numpy(images)
+        totals = {"row": int(rows.sum()), "image": int(images.sum())}
     for dev, (dense, ragged) in by_device.items():
         cat = _Concat()
         _add_fields(cat, dense, ragged, sources, pieces)
         buf = torch.empty(cat.size, dtype=torch.uint8, device=dev)
         cat.write(buf)
-        _view_fields(out, dense, ragged, buf, 0, out.n, _entry_totals(sources, pieces) if ragged else {})
-    if layout.ragged:
-        out.row_counts = torch.from_numpy(_cat_counts(sources, pieces, "row"))
-        out.image_counts = torch.from_numpy(_cat_counts(sources, pieces, "image"))
+        _view_fields(out, dense, ragged, buf, 0, out.n, totals)
     if layout.lists:
         out.lists = [e for k, a, b in pieces for e in sources[k].lists(a, b)]
     return out
@@ -296,8 +293,17 @@ def _cat_counts(sources, pieces, per) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _entry_totals(sources, pieces) -> dict:
-    return {per: int(_cat_counts(sources, pieces, per).sum()) for per in ("row", "image")}
+def _regions(dense, ragged, off: int, n: int, totals: dict) -> tuple:
+    """([(field, byte offset of its region)], offset after them) for n samples of `dense` and
+    `ragged` fields packed from byte `off` (totals: entries per "row" / "image")."""
+    out = []
+    for f in dense:
+        out.append((f, off))
+        off += _align(n * f.sample_bytes)
+    for f in ragged:
+        out.append((f, off))
+        off += _align(totals[f.per] * f.entry_bytes)
+    return out, off
 
 
 def _view_fields(out: Shard, dense, ragged, buf: torch.Tensor, off: int, n: int, totals: dict) -> int:
@@ -316,14 +322,13 @@ def _view_fields(out: Shard, dense, ragged, buf: torch.Tensor, off: int, n: int,
             step *= d
         return torch.as_strided(t, shape, stride[::-1], t.storage_offset() + off // dtype.itemsize)
 
-    for f in dense:
-        out.dense[f.path] = view(f.dtype, f.full_shape(n), off)
-        off += _align(n * f.sample_bytes)
-    for f in ragged:
-        k = totals[f.per]
-        out.ragged[f.path] = view(f.dtype, (k, *f.entry_shape), off)
-        off += _align(k * f.entry_bytes)
-    return off
+    regions, end = _regions(dense, ragged, off, n, totals)
+    for f, at in regions:
+        if isinstance(f, DenseField):
+            out.dense[f.path] = view(f.dtype, f.full_shape(n), at)
+        else:
+            out.ragged[f.path] = view(f.dtype, (totals[f.per], *f.entry_shape), at)
+    return end
 
 
 def nbytes(layout: BatchLayout, n: int, rows: int, images: int, list_bytes: int) -> int:
