@@ -6,10 +6,11 @@ passes one empty window together so an early-ending rank makes all ranks raise i
 
 overlap=True prepares the next window on a background thread: its own CUDA stream (and
 `torch.cuda.set_device` in the thread), its own process groups (the exchanger passed in must use
-them), at most `ahead` windows queued or being prepared (default 1: the worker starts window k+1
-when the consumer takes window k, so the device holds the window being consumed plus one in flight
-or queued; ahead=2 also prepares k+2 while k+1 waits, which absorbs jitter at the cost of one more
-window resident), `record_stream` + an event wait on the consumer side, worker exceptions re-raised
+them), at most `ahead` windows queued or being prepared beyond the one being consumed (default 1:
+the worker starts window k+1 when the consumer takes the last micro-batch of window k, so the device
+holds that micro-batch plus one window in flight or queued, and the exchange hides behind that
+micro-batch's step; ahead=2 also prepares k+2 while k+1 waits, which absorbs jitter at the cost of
+one more window resident), `record_stream` + an event wait on the consumer side, worker exceptions re-raised
 on the consumer's next `next()`, and a thread that ends on its own when the source is exhausted or
 on `close()` / context-manager exit.
 """
@@ -118,7 +119,7 @@ class ReorderingBuffer:
 
     def __next__(self):
         if self._ready:
-            return self._ready.popleft()
+            return self._take()
         if self._done:
             raise StopIteration
         if self.overlap:
@@ -135,6 +136,14 @@ class ReorderingBuffer:
         self._record(report)
         self._ready.extend(out)
         return self._ready.popleft()
+
+    def _take(self):
+        """The next ready micro-batch; with overlap, taking a window's last one lets the worker start
+        the next window (its memory is then one micro-batch in use plus one window in flight)."""
+        mb = self._ready.popleft()
+        if self.overlap and not self._ready:
+            self._slots.release()
+        return mb
 
     # ---- overlap ---------------------------------------------------------------------------
 
@@ -179,7 +188,6 @@ class ReorderingBuffer:
                 if not self._thread.is_alive() and self._queue.empty():
                     self._done = True
                     raise RuntimeError("reorder overlap worker ended without a result") from None
-        self._slots.release()
         if item is _END:
             self._done = True
             self._thread.join()
@@ -197,7 +205,7 @@ class ReorderingBuffer:
                     t.record_stream(current)
         self._record(report)
         self._ready.extend(out)
-        return self._ready.popleft()
+        return self._take()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker (if any) and wait for it; no thread outlives this call unless it is stuck

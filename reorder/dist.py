@@ -2,13 +2,16 @@
 
 `build_groups` is a world-wide collective: every rank of every module calls it with the same
 arguments in the same order (dp-1 modules included) and it creates groups only when the canonical
-grid G > 1, never gated on a rank's own DP size. Metadata travels on Gloo (CPU, fixed-size int64
-tensors), payloads on the data backend (NCCL for CUDA tensors, Gloo on CPU).
+grid G > 1, never gated on a rank's own DP size. Payloads travel on the data backend (NCCL for CUDA
+tensors, Gloo on CPU). The fixed-size int64 metadata travels on the data group too when that is NCCL
+(a private CUDA stream, pinned staging buffers: ~0.1 ms instead of Gloo's 0.3+ ms, and it never waits
+for the training stream's queued kernels), else on Gloo; `meta_backend="gloo"` forces Gloo.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,20 +22,50 @@ from reorder.grid import Grid, canonical_grid
 
 
 class TorchCollectives:
-    """Collectives over a Gloo metadata group and a data group (any backend)."""
+    """Collectives over a Gloo metadata group and a data group (any backend).
 
-    def __init__(self, meta_group, data_group):
+    meta_on_device: the metadata all-gather runs on the data group (NCCL) on the current CUDA device,
+    on a private stream; a peer that does not arrive within `timeout` seconds raises CollectiveError
+    (polled), like Gloo's timeout, instead of blocking forever."""
+
+    def __init__(self, meta_group, data_group, *, meta_on_device: bool = False, timeout: float = 300.0):
         self.meta_group, self.data_group = meta_group, data_group
         self.rank = dist.get_rank(meta_group)
         self.size = dist.get_world_size(meta_group)
+        self.meta_on_device, self.timeout = meta_on_device, timeout
+        self._meta = {}  # (device, dtype, shape) -> (stream, pinned in, device in, device out, pinned out, event)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.meta_on_device:
+            return self._all_gather_device(t)
         out = [torch.empty_like(t) for _ in range(self.size)]
         try:
             dist.all_gather(out, t, group=self.meta_group)
         except RuntimeError as e:  # timeouts and lost peers surface here
             raise CollectiveError(f"reorder metadata all_gather failed on rank {self.rank}: {e}") from e
         return torch.stack(out)
+
+    def _all_gather_device(self, t: torch.Tensor) -> torch.Tensor:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        key = (dev, t.dtype, tuple(t.shape))
+        if key not in self._meta:
+            self._meta[key] = (torch.cuda.Stream(dev), torch.empty(t.shape, dtype=t.dtype, pin_memory=True),
+                               torch.empty(t.shape, dtype=t.dtype, device=dev),
+                               torch.empty((self.size, *t.shape), dtype=t.dtype, device=dev),
+                               torch.empty((self.size, *t.shape), dtype=t.dtype, pin_memory=True),
+                               torch.cuda.Event())
+        stream, h_in, d_in, d_out, h_out, done = self._meta[key]
+        h_in.copy_(t)  # the previous call's copies are done: it waited for `done`
+        try:
+            with torch.cuda.stream(stream):  # independent of the training stream's queued work
+                d_in.copy_(h_in, non_blocking=True)
+                dist.all_gather_into_tensor(d_out, d_in, group=self.data_group)
+                h_out.copy_(d_out, non_blocking=True)
+                done.record(stream)
+        except RuntimeError as e:
+            raise CollectiveError(f"reorder metadata all_gather failed on rank {self.rank}: {e}") from e
+        _wait(done, self.timeout, f"reorder metadata all_gather on rank {self.rank}")
+        return h_out.clone()
 
     def all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
@@ -42,6 +75,18 @@ class TorchCollectives:
         except RuntimeError as e:
             raise CollectiveError(f"reorder all_to_all failed on rank {self.rank}: {e}") from e
         return recv
+
+
+def _wait(event, timeout: float, what: str) -> None:
+    """Wait for a CUDA event without holding the GIL long (spin briefly, then sleep-poll); raise
+    CollectiveError after `timeout` seconds."""
+    start = time.perf_counter()
+    while not event.query():
+        waited = time.perf_counter() - start
+        if waited > timeout:
+            raise CollectiveError(f"{what} timed out after {timeout:.0f} s: a peer did not arrive")
+        if waited > 2e-4:
+            time.sleep(5e-5 if waited < 0.1 else 1e-3)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,14 +103,18 @@ class RankGroups:
 
 
 def build_groups(modules: dict, *, data_backend: str | None = None, overlap: bool = True,
-                 timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> RankGroups:
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+                 meta_backend: str = "auto") -> RankGroups:
     """Create reorder's process groups; call on every rank of the world with identical arguments.
 
     modules: name -> list of DP groups, each a list of global ranks (one DP group per tp/cp/pp
     coordinate; all groups of a module have the same size), e.g. {"vision": [[0, 1]],
     "language": [[2, 3, 4, 5]]}. A rank may appear in several modules (colocated); the first
     module listing it is returned. data_backend defaults to NCCL when CUDA is available.
+    meta_backend: "auto" (metadata on the data group when it is NCCL, else Gloo) or "gloo".
     """
+    if meta_backend not in ("auto", "gloo"):
+        raise ValueError(f"meta_backend={meta_backend!r} is invalid: expected 'auto' or 'gloo'")
     me = dist.get_rank()
     dp_sizes, where = [], None
     for name in modules:
@@ -93,7 +142,8 @@ def build_groups(modules: dict, *, data_backend: str | None = None, overlap: boo
                     meta = dist.new_group(ranks, backend="gloo", timeout=timeout)
                     data = dist.new_group(ranks, backend=data_backend, timeout=timeout)
                     if module == name and me in ranks and len(ranks) > 1 and sorted(mine) == ranks:
-                        coll = TorchCollectives(meta, data)
+                        coll = TorchCollectives(meta, data, timeout=timeout.total_seconds(),
+                                                meta_on_device=meta_backend == "auto" and data_backend == "nccl")
                         if pair == "main":
                             main = coll
                         else:

@@ -32,9 +32,9 @@ def test_worker_prepares_at_most_ahead_windows_beyond_the_consumer(ahead):
         for k, mb in enumerate(buf):
             seen += mb["sample_id"].tolist()
             time.sleep(0.02)  # a slow consumer: the worker has every chance to run ahead
-            windows_taken = k // W + 1
+            windows_done = (k + 1) // W  # windows whose last micro-batch the consumer has taken
             with lock:
-                worst = max(worst, pulled[0] - windows_taken * W)
+                worst = max(worst, pulled[0] - windows_done * W)
     assert sorted(seen) == list(range(4 * n))  # every sample exactly once
     assert worst == ahead * W  # it does run ahead, and never further
 
