@@ -78,6 +78,30 @@ def percentiles(ts):
                 p99=float(np.percentile(a, 99)))
 
 
+def paired(samples, gated_mask, rounds, steps):
+    """Step-by-step differences off - mode (ms, + = mode faster): every mode replays the same
+    micro-batches in the same order, so step k of every mode holds the same batch and the difference
+    cancels the batch's own cost. Mean and 95% half-width over (round, step) pairs; for the gated
+    modes also split into steps whose window was gated and steps whose window moved samples."""
+    off = np.array(samples["off"]).reshape(rounds, steps)
+
+    def stats(d):
+        d = np.asarray(d)
+        half = 1.96 * d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+        return dict(n=int(len(d)), mean_ms=float(d.mean()) if len(d) else float("nan"), ci95_ms=float(half))
+
+    out = {}
+    for m in samples:
+        if m == "off":
+            continue
+        diff = off - np.array(samples[m]).reshape(rounds, steps)
+        out[m] = {"all": stats(diff.reshape(-1))}
+        if m.endswith("+gate"):
+            g = np.array(gated_mask[m]).reshape(rounds, steps)
+            out[m]["gated"], out[m]["moved"] = stats(diff[g]), stats(diff[~g])
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
@@ -178,12 +202,15 @@ def main():
     per_round = []
     order = ["off", "sync", "sync+gate", "overlap", "overlap+gate"]
     samples, predicted = {m: [] for m in order}, None
+    gated_mask = {m: [] for m in order}  # per round: bool per timed step, its window was gated
     sync_exchange = []  # per round: exchange time inside the synchronous steps
     gated_slots = {m: 0 for m in order if m.endswith("+gate")}
     for k in range(args.rounds):  # modes interleaved and rotated, so drift and order hit all alike
         for mode in order[k % len(order):] + order[:k % len(order)]:
             times, reports = run(mode)
             samples[mode] += times
+            gated_mask[mode].append([bool(r.gated_slots) for r in reports[args.warmup:]] if reports
+                                    else [False] * len(times))
             per_round.append(dict(round=k, mode=mode, mean_ms=float(np.mean(times)), max_ms=float(np.max(times))))
             if mode == "sync":
                 ex_ms = [r.exchange_ms for r in reports[args.warmup:]]
@@ -208,6 +235,7 @@ def main():
                     for m in order[1:]}
     out["never_slower"] = {m: bool(results[m]["mean"] <= off and results[m]["p90"] <= off90) for m in order[1:]}
     out["gain_over_ideal"] = out["mean_gain"] / predicted if predicted else None
+    out["paired"] = paired(samples, gated_mask, args.rounds, args.steps)
     out["sync_exchange"] = sync_exchange
     out["per_round"] = per_round
     if me == 0:
@@ -222,6 +250,11 @@ def main():
             print(f"  {m:13} mean gain {g['mean']:6.1%}  p90 gain {g['p90']:6.1%}  never slower: {out['never_slower'][m]}")
         print("gate:", gate_info, "gated steps:", out["gated_steps"])
         print("synchronous exchange inside the steps:", sync_exchange)
+        print("paired by step (off minus mode, ms; every mode replays the same micro-batches; + = faster):")
+        for m, d in out["paired"].items():
+            print(f"  {m:13} all {d['all']['mean_ms']:+6.2f} ± {d['all']['ci95_ms']:.2f} (n {d['all']['n']})"
+                  + "".join(f"  {k} {d[k]['mean_ms']:+6.2f} ± {d[k]['ci95_ms']:.2f} (n {d[k]['n']})"
+                            for k in ("moved", "gated") if k in d))
         for r in per_round:
             print(f"  round {r['round']} {r['mode']:8} mean {r['mean_ms']:8.2f} ms  max {r['max_ms']:8.2f} ms")
         if args.json:

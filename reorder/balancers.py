@@ -65,6 +65,8 @@ _RESPLIT_WORK = 12000  # partitions a search may evaluate in re-splits (bounds t
 _TWO_GROUP_EXACT_M = 8  # G == 2 and m up to this: one exact two-group re-split is the whole search
 _EXHAUSTIVE_B = 10    # B at or below: every partition is tried, the max load is the optimum
 _EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
+_FILTER_MIN_P = 1000  # two-bin re-splits over at least this many partitions filter by approximate loads
+_FILTER_TOL = 1e-11   # (relative to the row total) the filter's margin: 100x its approximation error
 
 
 def _checked_costs(costs, groups: int) -> np.ndarray:
@@ -112,6 +114,51 @@ def _partition_max(costs: np.ndarray, groups: int, m: int) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def _partition_columns(groups: int, m: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(_partitions(groups, m), 2, 0))
+
+
+def _best_partitions(U: np.ndarray, groups: int, m: int, limit: int):
+    """The lowest max bin load over every row of U [R, groups*m] and every partition of
+    `_partitions(groups, m)`, exactly as `_partition_max` computes it, and the (row, partition) pairs
+    that reach it, row-major, the first `limit`: (load, rows, partitions).
+
+    Two bins and many partitions: each max load is first approximated from subset sums of either
+    half of the row (off by less than 1e-13 of the row total), and exact loads are computed only for
+    the pairs whose approximation is within `_FILTER_TOL` of the row total of the lowest one (a
+    superset of those reaching the exact minimum)."""
+    P = _partitions(groups, m)
+    R = len(U)
+    if groups == 2 and len(P) >= _FILTER_MIN_P:
+        lo, hi = _half_masks(m)
+        sub = U.reshape(R, 2, m) @ _subset_matrix(m)           # [R, half, mask]: every subset sum
+        total = sub[:, 0, -1] + sub[:, 1, -1]
+        tol = _FILTER_TOL * float(total.max())
+        if tol < math.inf:
+            a = sub[:, 0].take(lo, axis=1) + sub[:, 1].take(hi, axis=1)    # ~ bin 0's load, [R, P]
+            np.maximum(a, total[:, None] - a, out=a)
+            f = np.flatnonzero(a <= a.min() + tol)
+            r, p = np.divmod(f, len(P))
+            pmax = _row_sums(U[r[:, None, None], P[p]]).max(axis=1)
+            best = pmax.min()
+            tie = np.flatnonzero(pmax == best)[:limit]
+            return best, r[tie], p[tie]
+    pmax = _partition_max(U, groups, m)
+    best = pmax.min()
+    r, p = np.nonzero(pmax == best)
+    return best, r[:limit], p[:limit]
+
+
+@functools.lru_cache(maxsize=None)
+def _subset_matrix(m: int) -> np.ndarray:
+    """float64 [m, 2**m]: column s holds the bits of s (row b: bit b)."""
+    return ((np.arange(2 ** m) >> np.arange(m)[:, None]) & 1).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def _half_masks(m: int):
+    """Bin 0 of every partition of `_partitions(2, m)` as two bitmasks: its members below m and
+    (shifted down by m) from m on."""
+    bits = (1 << _partitions(2, m)[:, 0, :]).sum(axis=1)
+    return bits & (2 ** m - 1), bits >> m
 
 
 def _exact_max(rows) -> float:
@@ -460,12 +507,9 @@ def _resplit(M, C, L, k, budget):
     budget[0] -= len(combos) * len(P)
     U = C[combos].reshape(len(combos), k * m)
     ids = M[combos].reshape(len(combos), k * m)
-    pmax = _partition_max(U, k, m)                                            # [combos, partitions]
-    best = pmax.min()
+    best, ti, pi = _best_partitions(U, k, m, 256)
     if not best < L[h]:
         return False
-    ti, pi = np.nonzero(pmax == best)
-    ti, pi = ti[:256], pi[:256]
     perms = np.array(list(itertools.permutations(range(k))))                # bin b -> combos[t, perm[b]]
     home = ids[ti[:, None, None], P[pi]] // m                                 # [cand, bin, m]
     dest = combos[ti][:, perms]                                               # [cand, perm, bin]

@@ -266,11 +266,12 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | None =
     sources = [_Source(s) if isinstance(s, Shard) else s for s in shards]
     out = Shard(n=len(index))
     by_device = {}  # device -> (dense fields, ragged fields), in layout order
+    first = shards[0]
     for f in layout.dense:
-        dev = device or sources[0].dense(f, 0, 0, 0, 0)[0].device
+        dev = device or (first.dense[f.path].device if isinstance(first, Shard) else first.buf.device)
         by_device.setdefault(dev, ([], []))[0].append(f)
     for f in layout.ragged:
-        dev = device or sources[0].ragged(f, 0, 0)[0].device
+        dev = device or (first.ragged[f.path].device if isinstance(first, Shard) else first.buf.device)
         by_device.setdefault(dev, ([], []))[1].append(f)
     totals = {}
     if layout.ragged:

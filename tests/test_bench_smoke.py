@@ -35,6 +35,12 @@ def test_benchmark_writes_the_issue_keys(tmp_path, script, args, keys):
     assert result["device"] == "cpu x2"
     for k in keys:
         assert isinstance(result[k], float) and math.isfinite(result[k]), (k, result.get(k))
+    if script == "e2e_vision.py":  # paired step differences: every timed step once, gated + moved = all
+        for mode in ("sync", "sync+gate", "overlap", "overlap+gate"):
+            d = result["paired"][mode]
+            assert d["all"]["n"] == 4 and math.isfinite(d["all"]["mean_ms"])
+            if mode.endswith("+gate"):
+                assert d["gated"]["n"] + d["moved"]["n"] == 4
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["moving", "gated"])
