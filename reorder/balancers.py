@@ -19,6 +19,7 @@ import functools
 import heapq
 import itertools
 import math
+import operator
 
 import numpy as np
 
@@ -65,8 +66,8 @@ _RESPLIT_WORK = 12000  # partitions a search may evaluate in re-splits (bounds t
 _TWO_GROUP_EXACT_M = 8  # G == 2 and m up to this: one exact two-group re-split is the whole search
 _EXHAUSTIVE_B = 10    # B at or below: every partition is tried, the max load is the optimum
 _EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
-_FILTER_MIN_P = 1000  # two-bin re-splits over at least this many partitions filter by approximate loads
-_FILTER_TOL = 1e-11   # (relative to the row total) the filter's margin: 100x its approximation error
+_FILTER_MIN_P = 1000  # re-splits of two groups over at least this many partitions filter by approximate loads
+_FILTER_TOL = 1e-11   # the filter's margin, relative to the row total: far above its approximation error
 
 
 def _checked_costs(costs, groups: int) -> np.ndarray:
@@ -78,7 +79,7 @@ def _checked_costs(costs, groups: int) -> np.ndarray:
     if len(c) == 0 or len(c) % groups:
         raise ValueError(f"B={len(c)} samples cannot be split into G={groups} equal groups: "
                          f"B must be a positive multiple of G")
-    if not np.isfinite(c).all() or (c < 0).any():
+    if not (c.min() >= 0 and c.max() < math.inf):      # NaN fails the first test
         bad = int(np.flatnonzero(~np.isfinite(c) | (c < 0))[0])
         raise ValueError(f"cost of sample {bad} is {c[bad]!r}: costs must be finite and >= 0")
     return c
@@ -86,10 +87,10 @@ def _checked_costs(costs, groups: int) -> np.ndarray:
 
 def _row_sums(C: np.ndarray) -> np.ndarray:
     """Per-row sums in a fixed left-to-right order (((c0 + c1) + c2) + ...), bit-identical on every
-    machine: exactly np.cumsum(C, axis=-1)[..., -1]; short rows add column by column (numpy's cumsum
-    over many short rows is slow)."""
+    machine: exactly np.cumsum(C, axis=-1)[..., -1]; many short rows add column by column (numpy's
+    cumsum over many short rows is slow)."""
     k = C.shape[-1]
-    if k > 32:
+    if k > 32 or k >= 8 and C.size <= 512:
         return np.cumsum(C, axis=-1)[..., -1].copy()
     out = C[..., 0].copy()
     for j in range(1, k):
@@ -121,26 +122,24 @@ def _best_partitions(U: np.ndarray, groups: int, m: int, limit: int):
     `_partitions(groups, m)`, exactly as `_partition_max` computes it, and the (row, partition) pairs
     that reach it, row-major, the first `limit`: (load, rows, partitions).
 
-    Two bins and many partitions: each max load is first approximated from subset sums of either
-    half of the row (off by less than 1e-13 of the row total), and exact loads are computed only for
-    the pairs whose approximation is within `_FILTER_TOL` of the row total of the lowest one (a
-    superset of those reaching the exact minimum)."""
+    One row, two bins and many partitions: each max load is first approximated from subset sums of
+    either half of the row (in any order: off by about 3m * 2**-53 of the row total at most), and
+    exact loads are computed only where the approximation is within `_FILTER_TOL` of the row total of
+    the lowest one: a superset of the partitions reaching the exact minimum."""
     P = _partitions(groups, m)
-    R = len(U)
-    if groups == 2 and len(P) >= _FILTER_MIN_P:
-        lo, hi = _half_masks(m)
-        sub = U.reshape(R, 2, m) @ _subset_matrix(m)           # [R, half, mask]: every subset sum
-        total = sub[:, 0, -1] + sub[:, 1, -1]
-        tol = _FILTER_TOL * float(total.max())
-        if tol < math.inf:
-            a = sub[:, 0].take(lo, axis=1) + sub[:, 1].take(hi, axis=1)    # ~ bin 0's load, [R, P]
-            np.maximum(a, total[:, None] - a, out=a)
-            f = np.flatnonzero(a <= a.min() + tol)
-            r, p = np.divmod(f, len(P))
-            pmax = _row_sums(U[r[:, None, None], P[p]]).max(axis=1)
+    if groups == 2 and len(U) == 1 and len(P) >= _FILTER_MIN_P:
+        u = U[0]
+        sub = u.reshape(2, m) @ _subset_matrix(m)                 # every subset sum of either half
+        total = sub[0, -1] + sub[1, -1]
+        if total < 2.0 ** 1000:                                   # no sum can overflow
+            lo, hi = _half_masks(m)
+            a = sub[0].take(lo) + sub[1].take(hi)                  # ~ bin 0's load
+            np.maximum(a, total - a, out=a)
+            p = np.flatnonzero(a <= a.min() + _FILTER_TOL * total)
+            pmax = _row_sums(u[P[p]]).max(axis=1)
             best = pmax.min()
-            tie = np.flatnonzero(pmax == best)[:limit]
-            return best, r[tie], p[tie]
+            p = p[pmax == best][:limit]
+            return best, np.zeros(len(p), dtype=np.int64), p
     pmax = _partition_max(U, groups, m)
     best = pmax.min()
     r, p = np.nonzero(pmax == best)
@@ -155,10 +154,10 @@ def _subset_matrix(m: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _half_masks(m: int):
-    """Bin 0 of every partition of `_partitions(2, m)` as two bitmasks: its members below m and
-    (shifted down by m) from m on."""
+    """Bin 0 of every partition of `_partitions(2, m)` as two bitmasks (int64 [P] each): its members
+    below m, and its members from m on, shifted down by m."""
     bits = (1 << _partitions(2, m)[:, 0, :]).sum(axis=1)
-    return bits & (2 ** m - 1), bits >> m
+    return bits & ((1 << m) - 1), bits >> m
 
 
 def _exact_max(rows) -> float:
@@ -169,8 +168,10 @@ def _exact_max(rows) -> float:
 def _sums_are_exact(c: np.ndarray) -> bool:
     """True when every sum of these costs is exact in float64 (all multiples of 2**-20, total below
     2**32): then float comparisons of loads are exact comparisons. Integer costs qualify."""
+    if not c.max() * len(c) < 2.0 ** 32:
+        return False
     scaled = c * 2.0 ** 20
-    return bool(c.max() * len(c) < 2.0 ** 32 and np.array_equal(scaled, np.floor(scaled)))
+    return bool((scaled == np.floor(scaled)).all())
 
 
 def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray, record: bool):
@@ -230,6 +231,14 @@ def _cheap_lower_bound(s: np.ndarray, groups: int, m: int) -> float:
     """Lower bound on the optimal max load from costs sorted descending (O(B)): the mean load; for
     every k < m, some group holds k+1 of the k*G+1 largest costs plus m-k-1 others; for m == 2 the
     exact optimum (largest paired with smallest)."""
+    if len(s) <= 128:      # the same float operations in plain Python: faster on few costs
+        x = s.tolist()
+        asc = [0.0, *itertools.accumulate(reversed(x))]
+        best = asc[-1] / groups
+        if m == 2:
+            return max(best, max(map(operator.add, x[:groups], reversed(x[groups:]))))
+        pre = [0.0, *itertools.accumulate(x)]
+        return max(best, max([pre[k * groups + 1] - pre[k * groups - k] + asc[m - 1 - k] for k in range(m)]))
     asc = np.concatenate(([0.0], np.cumsum(s[::-1])))
     best = asc[-1] / groups
     if m == 2:
@@ -366,7 +375,7 @@ def _pair_rounds(M, C, L, target, rounds):
         d = (Ch[:, :, None] - Cl[:, None, :]).reshape(P, m * m)
         d -= (0.5 * gap)[:, None]
         f = np.abs(d, out=d).argmin(axis=1)
-        a, b = f // m, f % m
+        a, b = np.divmod(f, m)
         ar = np.arange(P)
         db = Ch[ar, a] - Cl[ar, b]
         good = (db > 0) & (db < gap)
@@ -379,8 +388,8 @@ def _pair_rounds(M, C, L, target, rounds):
         t = C[hv, a]
         C[hv, a] = C[lt, b]
         C[lt, b] = t
-        L[hv] = _row_sums(C[hv])
-        L[lt] = _row_sums(C[lt])
+        both = np.concatenate((hv, lt))
+        L[both] = _row_sums(C[both])
 
 
 def _batched_rounds(M, C, L, target, rounds, work):
@@ -449,8 +458,8 @@ def _local_search(M, C, L, target, iters, K):
             f = int(np.argmin(np.where(cand, away, 9)))
         else:
             f = int(np.argmax(cand))
-        a, qi, b = np.unravel_index(f, pair_max.shape)
-        q = int(part[qi])
+        a, f = divmod(f, len(part) * m)
+        q, b = int(part[f // m]), f % m
         _swap(M, C, h, a, q, b)
         L[[h, q]] = _row_sums(C[[h, q]])
     return iters, False
@@ -506,21 +515,20 @@ def _resplit(M, C, L, k, budget):
         return False
     budget[0] -= len(combos) * len(P)
     U = C[combos].reshape(len(combos), k * m)
-    ids = M[combos].reshape(len(combos), k * m)
     best, ti, pi = _best_partitions(U, k, m, 256)
     if not best < L[h]:
         return False
-    perms = np.array(list(itertools.permutations(range(k))))                # bin b -> combos[t, perm[b]]
+    ids = M[combos].reshape(len(combos), k * m)
+    perms = _permutations(k)                                                  # bin b -> combos[t, perm[b]]
     home = ids[ti[:, None, None], P[pi]] // m                                 # [cand, bin, m]
     dest = combos[ti][:, perms]                                               # [cand, perm, bin]
     kept = (home[:, None, :, :] == dest[..., None]).sum(axis=(2, 3))          # [cand, perm]
     f = int(np.argmax(kept))
     r, q = divmod(f, len(perms))
-    t, part = ti[r], P[pi[r]]
-    for b, g in enumerate(combos[t][perms[q]].tolist()):
-        M[g] = ids[t][part[b]]
-        C[g] = U[t][part[b]]
-    L[combos[t]] = _row_sums(C[combos[t]])
+    t, part, g = ti[r], P[pi[r]], dest[r, q]                                  # bin b -> group g[b]
+    M[g] = ids[t][part]
+    C[g] = rows = U[t][part]
+    L[g] = _row_sums(rows)
     return True
 
 
@@ -542,6 +550,11 @@ def _improve(M, C, L, target, iters, K):
             continue
         if not (m <= _RESPLIT_M and _resplit(M, C, L, 3, budget)):
             return
+
+
+@functools.lru_cache(maxsize=None)
+def _permutations(k: int) -> np.ndarray:
+    return np.array(list(itertools.permutations(range(k))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -685,7 +698,7 @@ def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
     visit = np.argsort(-c, kind="stable")       # (-cost, index), LPT's visiting order
     lb = _cheap_lower_bound(c[visit], G, m)
     M = np.arange(n, dtype=np.int64).reshape(G, m)
-    C = c[M]
+    C = c.reshape(G, m).copy()
     L = _row_sums(C)
     lpt_max = _lpt_max(c, G, visit)
     if G == 2 and m <= _TWO_GROUP_EXACT_M:

@@ -26,13 +26,16 @@ class TorchCollectives:
 
     meta_on_device: the metadata all-gather runs on the data group (NCCL) on the current CUDA device,
     on a private stream; a peer that does not arrive within `timeout` seconds raises CollectiveError
-    (polled), like Gloo's timeout, instead of blocking forever."""
+    (polled), like Gloo's timeout, instead of blocking forever. spin: seconds to poll without
+    sleeping first (lowest latency for a synchronous exchange; 0 on the overlap thread, where polling
+    would hold the GIL that the training thread needs)."""
 
-    def __init__(self, meta_group, data_group, *, meta_on_device: bool = False, timeout: float = 300.0):
+    def __init__(self, meta_group, data_group, *, meta_on_device: bool = False, timeout: float = 300.0,
+                 spin: float = 2e-4):
         self.meta_group, self.data_group = meta_group, data_group
         self.rank = dist.get_rank(meta_group)
         self.size = dist.get_world_size(meta_group)
-        self.meta_on_device, self.timeout = meta_on_device, timeout
+        self.meta_on_device, self.timeout, self.spin = meta_on_device, timeout, spin
         self._meta = {}  # (device, dtype, shape) -> (stream, pinned in, device in, device out, pinned out, event)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +67,7 @@ class TorchCollectives:
                 done.record(stream)
         except RuntimeError as e:
             raise CollectiveError(f"reorder metadata all_gather failed on rank {self.rank}: {e}") from e
-        _wait(done, self.timeout, f"reorder metadata all_gather on rank {self.rank}")
+        _wait(done, self.timeout, f"reorder metadata all_gather on rank {self.rank}", self.spin)
         return h_out.clone()
 
     def all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
@@ -77,15 +80,15 @@ class TorchCollectives:
         return recv
 
 
-def _wait(event, timeout: float, what: str) -> None:
-    """Wait for a CUDA event without holding the GIL long (spin briefly, then sleep-poll); raise
-    CollectiveError after `timeout` seconds."""
+def _wait(event, timeout: float, what: str, spin: float = 2e-4) -> None:
+    """Wait for a CUDA event without holding the GIL long (poll for `spin` seconds, then sleep-poll);
+    raise CollectiveError after `timeout` seconds."""
     start = time.perf_counter()
     while not event.query():
         waited = time.perf_counter() - start
         if waited > timeout:
             raise CollectiveError(f"{what} timed out after {timeout:.0f} s: a peer did not arrive")
-        if waited > 2e-4:
+        if waited >= spin:
             time.sleep(5e-5 if waited < 0.1 else 1e-3)
 
 
@@ -143,7 +146,8 @@ def build_groups(modules: dict, *, data_backend: str | None = None, overlap: boo
                     data = dist.new_group(ranks, backend=data_backend, timeout=timeout)
                     if module == name and me in ranks and len(ranks) > 1 and sorted(mine) == ranks:
                         coll = TorchCollectives(meta, data, timeout=timeout.total_seconds(),
-                                                meta_on_device=meta_backend == "auto" and data_backend == "nccl")
+                                                meta_on_device=meta_backend == "auto" and data_backend == "nccl",
+                                                spin=2e-4 if pair == "main" else 0.0)
                         if pair == "main":
                             main = coll
                         else:

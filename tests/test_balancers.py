@@ -322,3 +322,23 @@ def test_partition_loads_are_the_left_to_right_row_sums(gm, seed):
     P = _partitions(groups, m)
     assert np.array_equal(_partition_max(c, groups, m), np.cumsum(c[:, P], axis=3)[..., -1].max(axis=2))
     assert np.array_equal(_partition_max(c[0], groups, m), np.cumsum(c[0][P], axis=2)[..., -1].max(axis=1))
+
+
+@settings(max_examples=40)
+@given(st.sampled_from([7, 8]), st.integers(0, 5), st.integers(0, 2**32 - 1))
+def test_filtered_two_group_resplit_finds_every_optimal_partition(m, kind, seed):
+    """The exact two-group re-split first filters partitions by approximate loads: it must still
+    return exactly the partitions of minimal max load as `_partition_max` computes them, in order."""
+    from reorder.balancers import _best_partitions, _partition_max
+    rng = np.random.default_rng(seed)
+    n = 2 * m
+    c = [rng.choice([0.1, 0.2, 0.3, 0.7, 1.1, 2.2], n),          # float sums that round differently
+         1.0 + rng.integers(0, 4, n) * 2.0 ** -52,               # costs one ulp apart
+         rng.integers(0, 6, n).astype(np.float64),               # integer ties and zeros
+         rng.random(n) * 1e-310,                                 # subnormal
+         np.exp(rng.normal(0, 10, n)),                           # huge range
+         rng.random(n) * 1e300][kind][None, :]                   # sums near overflow: unfiltered
+    pmax = _partition_max(c, 2, m)
+    rows, parts = np.nonzero(pmax == pmax.min())
+    best, r, p = _best_partitions(c, 2, m, len(pmax[0]))
+    assert best == pmax.min() and np.array_equal(r, rows) and np.array_equal(p, parts)
