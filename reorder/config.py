@@ -43,6 +43,7 @@ class ReorderConfig:
     min_gain: float | None = None  # cost-benefit gate: relative gain a micro-batch must exceed to move
     min_saving: float | None = None  # cost-benefit gate: saving (cost units) a micro-batch must exceed to move
     overlap_ahead: int = 1  # with overlap: windows queued or in flight ahead of the one consumed
+    gate_backoff: int = 0  # after gated windows in a row, skip up to this many windows unplanned (0: off)
 
     def __post_init__(self):
         for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
@@ -67,7 +68,7 @@ class ReorderConfig:
                              "weight): at least one cost weight must be > 0, otherwise every sample costs 0 "
                              "and there is nothing to balance")
         for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("spatial_merge_size", 1), ("overlap_ahead", 1),
-                              ("image_token_id", 0), ("vision_start_token_id", 0)):
+                              ("image_token_id", 0), ("vision_start_token_id", 0), ("gate_backoff", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
                 raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
@@ -83,6 +84,9 @@ class ReorderConfig:
                 raise ValueError(f"{name}={v!r}: must be a finite number >= 0" + (" and < 1" if top == 1 else "")
                                  + " (or unset)")
             object.__setattr__(self, name, float(v))
+        if self.gate_backoff and self.min_gain is None and self.min_saving is None:
+            raise ValueError(f"gate_backoff={self.gate_backoff}: the backoff skips windows after the cost-benefit "
+                             "gate kept them natural; set min_gain or min_saving too")
         if not isinstance(self.balancer, str):
             raise ValueError(f"balancer={self.balancer!r}: must be a balancer name (str)")
         from reorder.balancers import get_balancer
@@ -183,6 +187,9 @@ def add_reorder_args(parser: argparse.ArgumentParser):
     g.add_argument("--reorder-min-saving", dest="min_saving", type=float, default=None,
                    help="cost-benefit gate: keep a micro-batch's natural assignment unless it saves more "
                         "than this in max group load (cost units; ms with calibrated weights)")
+    g.add_argument("--reorder-gate-backoff", dest="gate_backoff", type=int, default=d.gate_backoff,
+                   help="after k planned windows in a row kept natural by the gate, skip the next "
+                        "min(2^(k-1), N) windows without planning or communicating (0: off)")
     g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
     return g

@@ -30,7 +30,7 @@ MAGIC = 0x52454F52  # "REOR"
 HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
           "encoder_quadratic_weight", "language_quadratic_weight", "encoder_image_weight",
           "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size",
-          "shadow", "cross_slot", "min_gain", "min_saving")
+          "shadow", "cross_slot", "min_gain", "min_saving", "gate_backoff")
 TEXT_BYTES = 1024
 COLS = 6  # placeholders, real tokens, images, patch rows, list bytes, sum of per-image patches**2
 
@@ -56,6 +56,7 @@ class WindowReport:
     stage_ms: dict | None = None  # prepare, gather, plan, pack, all_to_all, assemble (see profile_stages)
     gated_slots: int = 0  # slots kept in natural order by the cost-benefit gate
     shadow: bool = False  # planned and reported only: nothing moved, micro-batches returned as given
+    skipped: bool = False  # gate backoff: not planned, no collective, natural order (loads unknown: NaN)
 
     @property
     def max_before(self) -> float:
@@ -107,14 +108,19 @@ class WindowExchanger:
     overlaps the metadata all-gather and planning (the fastest synchronous exchange from host memory)
     while the whole window sits on the device; False: copy straight from where the batch lives into
     the reordered output after planning (one window less on the device; with overlap the copy is
-    hidden anyway).
+    hidden anyway). gate_backoff (needs min_gain or min_saving): after the k-th planned window in a
+    row whose every slot the gate kept natural, skip the next min(2**(k-1), gate_backoff) windows:
+    no counting, no collective, natural order, per-sample fields moved to `device` (what reorder off
+    does, at almost no cost). Every rank and module skips the same windows (the decision depends only
+    on gate results); in a skipped window a data-source error or an early end is raised on its own
+    rank only, as with reorder off. 0 (default): every window is planned.
     """
 
     def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "balanced",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
                  device: torch.device | str | None = None, profile_stages: bool = False,
                  min_gain: float | None = None, min_saving: float | None = None, shadow: bool = False,
-                 cross_slot: bool = False, early_copy: bool = False):
+                 cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0):
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -135,6 +141,13 @@ class WindowExchanger:
             raise ValueError(f"min_saving={min_saving!r} is invalid: the saving threshold (cost units) must be "
                              "a finite number >= 0")
         self.min_gain, self.min_saving = min_gain, min_saving  # cost-benefit gate (plan.gate_orders)
+        if isinstance(gate_backoff, bool) or not isinstance(gate_backoff, int) or gate_backoff < 0:
+            raise ValueError(f"gate_backoff={gate_backoff!r} is invalid: windows skipped after gated ones must "
+                             "be an integer >= 0")
+        if gate_backoff and min_gain is None and min_saving is None:
+            raise ValueError(f"gate_backoff={gate_backoff} needs the cost-benefit gate: set min_gain or min_saving")
+        self.gate_backoff = gate_backoff
+        self._gated_run, self._skip, self._paths = 0, 0, None  # backoff state; per-sample field paths
         self.shadow = bool(shadow)  # plan and report, move nothing (must match across the DP group)
         # opt-in: balance over the whole window (samples may change micro-batch; still B/dp per rank
         # per slot). Valid only when the optimizer steps once per window and the loss is normalized
@@ -202,7 +215,7 @@ class WindowExchanger:
                 c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
                 self.window_size, int(self.shadow), int(self.cross_slot),
                 _f64_bits(-1.0 if self.min_gain is None else self.min_gain),
-                _f64_bits(-1.0 if self.min_saving is None else self.min_saving)]
+                _f64_bits(-1.0 if self.min_saving is None else self.min_saving), self.gate_backoff]
 
     def _check(self, gathered: np.ndarray):
         """Raise the same ReorderError on every rank if any rank failed or configs differ."""
@@ -256,6 +269,8 @@ class WindowExchanger:
             marks.append((name, time.perf_counter()))
 
         batches = list(batches)
+        if self._skip:
+            return self._skipped(batches, error, t0)
         local = None
         if error is None:
             try:
@@ -291,6 +306,7 @@ class WindowExchanger:
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)
+        self._backoff(gated, layout)
         cross = self.cross_slot and W > 1
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         mark("plan")
@@ -340,6 +356,34 @@ class WindowExchanger:
             out.append(self._reassembled(batches[s], layout, sources, routes.gather[s], s, "reassembly"))
         mark("assemble")
         return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
+
+    def _backoff(self, gated, layout):
+        """After a planned window: how many windows to skip next (the same on every rank and module)."""
+        if not self.gate_backoff:
+            return
+        self._gated_run = self._gated_run + 1 if gated.all() else 0
+        self._skip = min(2 ** (self._gated_run - 1), self.gate_backoff) if self._gated_run else 0
+        self._paths = [f.path for f in layout.dense] + [f.path for f in layout.ragged]
+
+    def _skipped(self, batches, error, t0):
+        """A window the gate backoff skips: the micro-batches in natural order, per-sample fields (the
+        last planned window's layout) on `device`; errors and the end of the stream stay local."""
+        if error is not None:
+            raise ReorderError(f"reorder failed on rank {self.grid.rank}: data source raised "
+                               f"{type(error).__name__}: {error}")
+        if not batches:
+            return [], None
+        self._skip -= 1
+        dev = self.device
+        if dev is not None and dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        out = batches if dev is None else [_fields_to(b, self._paths, dev) for b in batches]
+        w, nan = len(batches), np.full((len(batches), self.grid.dp), np.nan)
+        return out, WindowReport(slots=w, orders=np.tile(np.arange(self.global_batch), (w, 1)), loads_before=nan,
+                                 loads_after=nan, moved_samples=0, total_samples=w * self.global_batch,
+                                 moved_bytes=0, sent_bytes=0, plan_ms=0.0,
+                                 exchange_ms=(time.perf_counter() - t0) * 1e3, gated_slots=w, shadow=self.shadow,
+                                 skipped=True)
 
     def _reassembled(self, batch, layout, sources, idx, slot, what):
         """Micro-batch `batch` holding samples `idx` of the concatenated `sources`; raises the same
@@ -434,6 +478,7 @@ class WindowExchanger:
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)
+        self._backoff(gated, layout)
         plan_ms = (time.perf_counter() - t_plan) * 1e3
         cross = self.cross_slot and len(batches) > 1
         if self.shadow:
@@ -453,6 +498,26 @@ class WindowExchanger:
                               plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
                               gated_slots=int(gated.sum()), shadow=self.shadow)
         return out, report
+
+
+def _fields_to(batch: dict, paths: list, device: torch.device) -> dict:
+    """`batch` with the tensors at `paths` on `device` (non-blocking copies where they are elsewhere;
+    the same objects where they are there already); dicts along the way are shallow copies."""
+    if all(_at(batch, p).device == device for p in paths):
+        return batch
+    out = dict(batch)
+    for path in paths:
+        d = out
+        for k in path[:-1]:
+            d[k] = d = dict(d[k])
+        d[path[-1]] = d[path[-1]].to(device, non_blocking=True)
+    return out
+
+
+def _at(batch, path):
+    for k in path:
+        batch = batch[k]
+    return batch
 
 
 def _piece_sizes(layout, flat: np.ndarray, natural_ids: list, W: int, B: int) -> np.ndarray:

@@ -263,6 +263,7 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     ex = WindowExchanger(grid=rg.grid, global_batch=global_batch, cost=cost, balancer=cfg.balancer,
                          window_size=cfg.window_size, collectives=rg.side if cfg.overlap else rg.main,
                          device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot, min_gain=cfg.min_gain,
-                         min_saving=cfg.min_saving, early_copy=not cfg.overlap)  # synchronous: copy early
+                         min_saving=cfg.min_saving, gate_backoff=cfg.gate_backoff,
+                         early_copy=not cfg.overlap)  # synchronous: copy early
     return ReorderingBuffer(iter(data_iterator), ex, overlap=cfg.overlap, log_every=log_every,
                             ahead=cfg.overlap_ahead)

@@ -168,3 +168,22 @@ def bridge_fanin(language_batches, dp_vision, dp_language):
     k = dp_language // dp_vision
     return [[s for j in range(i * k, (i + 1) * k) for s in language_batches[j]]
             for i in range(dp_vision)]
+
+
+def gate_backoff_skips(fully_gated, max_skip):
+    """Which windows of a stream the gate backoff skips (True) and which it plans (False).
+
+    fully_gated[k]: the cost-benefit gate would keep every slot of window k natural if it were
+    planned (a skipped window's value is never read). After the j-th planned window in a row that was
+    fully gated, the next min(2**(j-1), max_skip) windows are skipped; a planned window that moves
+    anything ends the run. max_skip 0: nothing is skipped."""
+    skips, run, left = [], 0, 0
+    for gated in fully_gated:
+        if left:
+            skips.append(True)
+            left -= 1
+            continue
+        skips.append(False)
+        run = run + 1 if gated else 0
+        left = min(2 ** (run - 1), max_skip) if run and max_skip else 0
+    return skips

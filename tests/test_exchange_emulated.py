@@ -323,3 +323,93 @@ def test_early_copy_gives_the_same_window(dps):
             for x, y in zip(a, b):
                 assert per_sample_bytes(x, vision_start_token_id=syn.VISION_START) == \
                     per_sample_bytes(y, vision_start_token_id=syn.VISION_START)
+
+
+def _stream(seed, windows, batch):
+    """Windows of one micro-batch; odd seeds draw some windows of text-only samples (cost 0: the gate
+    keeps them), the others images of random sizes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(windows):
+        mix = "small" if rng.random() < 0.5 else "large"
+        out.append([syn.make_global_batch(rng, batch, 128, features=4, mix=mix, first_id=k * batch, scale=0.02)])
+    return out
+
+
+@given(st.integers(0, 2**31), st.integers(1, 4), st.floats(0, 8), st.integers(6, 14))
+def test_gate_backoff_skips_the_same_windows_on_every_rank_and_module(seed, max_skip, threshold, windows):
+    """Vision dp 1 and language dp 2 stream the same windows with the gate backoff: both skip exactly
+    the windows spec.reference.gate_backoff_skips names (from what the gate would do to each window),
+    skipped windows keep the natural order, and every module derives the same orders (I2)."""
+    from reorder import plan
+    from spec import invariants, reference
+
+    batch, groups = 4, 2
+    stream = _stream(seed, windows, batch)
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    would_gate = []
+    for (g,) in stream:
+        counts = cost.token_counts(g["input_ids"], None)
+        costs = cost.costs(counts[0].numpy(), counts[1].numpy(), None, counts[2].numpy())[None]
+        would_gate.append(bool(plan.plan_gated_orders(costs, groups, "balanced", None, threshold)[1].all()))
+    want = reference.gate_backoff_skips(would_gate, max_skip)
+
+    def module(dp):
+        def fn(r, coll):
+            ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), global_batch=batch, cost=cost,
+                                 collectives=coll if dp > 1 else None, min_saving=threshold, gate_backoff=max_skip)
+            got = []
+            for (g,) in stream:
+                out, rep = ex.exchange([syn.rank_share(g, dp, r)])
+                got.append((rep.skipped, rep.orders[0].tolist(), out[0]["sample_id"].tolist()))
+            return got
+        return run_emulated(dp, fn, timeout=20)
+
+    vision, language = module(1), module(2)
+    for k in range(windows):
+        skipped = {rank_res[k][0] for res in (vision, language) for rank_res in res}
+        assert skipped == {want[k]}, (k, skipped, want)
+        orders = {"vision": vision[0][k][1], "language": language[0][k][1]}
+        invariants.i2_identical_assignment(orders, {"vision": 1, "language": 2}, batch)
+        if want[k]:
+            assert orders["vision"] == list(range(batch))
+        held = language[0][k][2] + language[1][k][2]
+        assert held == vision[0][k][2] == [stream[k][0]["sample_id"][p].item() for p in orders["vision"]]
+    assert any(want) == (max_skip > 0 and any(would_gate[:-1]))
+
+
+def test_gate_backoff_doubles_up_to_its_cap_and_resets_when_a_window_moves():
+    from spec import reference
+    assert reference.gate_backoff_skips([True] * 12, 4) == [
+        False, True, False, True, True, False, True, True, True, True, False, True]
+    assert reference.gate_backoff_skips([True, True, False, True, False, False], 8) == [
+        False, True, False, False, True, False]
+    assert reference.gate_backoff_skips([True] * 5, 0) == [False] * 5
+
+
+def test_gate_backoff_needs_the_gate_and_matches_across_ranks():
+    with pytest.raises(ValueError, match=r"gate_backoff=4 needs the cost-benefit gate: set min_gain or min_saving"):
+        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=2, cost=COST, gate_backoff=4)
+    with pytest.raises(ValueError, match=r"gate_backoff=-1 is invalid"):
+        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=2, cost=COST, min_gain=0.1, gate_backoff=-1)
+    shares = _shares(2)
+    out = _run(2, lambda r: [shares[r]], lambda r: {"min_gain": 0.5, "gate_backoff": 2 * r})
+    assert [str(e) for e in out] == ["config mismatch across the DP group: gate_backoff is 0 on ranks [0], "
+                                     "2 on ranks [1]"] * 2
+
+
+def test_a_skipped_window_raises_a_source_error_on_its_own_rank_and_ends_locally():
+    """In a skipped window nothing is exchanged: a data-source error raises on the rank that has it
+    (as with reorder off) and an empty window ends that rank's stream without a collective."""
+    g = windows_for(5, 4, 1)[0]
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4, cost=COST, min_gain=0.999,
+                         gate_backoff=4)
+    _, rep = ex.exchange([g])
+    assert not rep.skipped and rep.gated_slots == 1
+    out, rep = ex.exchange([g])
+    assert rep.skipped and out[0] is g and np.isnan(rep.max_before)
+    _, rep = ex.exchange([g])  # the second gated window in a row: two skips follow
+    assert not rep.skipped
+    with pytest.raises(ReorderError, match="reorder failed on rank 0: data source raised OSError: disk"):
+        ex.exchange([], OSError("disk"))
+    assert ex.exchange([]) == ([], None)
