@@ -1,5 +1,5 @@
-"""End-to-end vision step time on dp 2 over 2 GPUs: reorder off / on synchronous / on synchronous
-with the cost-benefit gate / on with overlap / on with overlap and the gate.
+"""End-to-end vision step time on dp 2 over 2 GPUs: reorder off / on, synchronous or with overlap,
+each without the cost-benefit gate, with it, and with it plus the gate backoff.
 
   torchrun --nproc-per-node 2 bench/e2e_vision.py [--steps 40] [--mix large] [--json out.json]
 
@@ -13,7 +13,8 @@ mean gain. The "+gate" modes are calibrated in the same run: each rank's own com
 (non-negative least squares, reorder.calibrate) on patches, per-image patches^2 and images, which
 gives a cost model in ms (the planner then balances the fitted time); min_saving is the synchronous
 exchange's median ms (rank 0's figure, the same on both ranks), so a micro-batch moves only when its
-predicted saving exceeds the exchange.
+predicted saving exceeds the exchange. The "+backoff" modes add gate_backoff (--gate-backoff). Step k
+of every mode holds the same micro-batch, so "paired" reports per-step differences against off.
 Without a GPU it runs on CPU/Gloo as a smoke test.
 """
 
@@ -96,7 +97,7 @@ def paired(samples, gated_mask, rounds, steps):
             continue
         diff = off - np.array(samples[m]).reshape(rounds, steps)
         out[m] = {"all": stats(diff.reshape(-1))}
-        if m.endswith("+gate"):
+        if "+gate" in m:
             g = np.array(gated_mask[m]).reshape(rounds, steps)
             out[m]["gated"], out[m]["moved"] = stats(diff[g]), stats(diff[~g])
     return out
@@ -111,6 +112,7 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--mix", default="large")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--gate-backoff", type=int, default=8, help="gate_backoff of the +backoff modes")
     p.add_argument("--json")
     args = p.parse_args()
     cuda = torch.cuda.is_available()  # without a GPU: a CPU/Gloo smoke run of the same code
@@ -161,10 +163,11 @@ def main():
             it = iter(shares)
             buf = None
         else:
-            gated = mode.endswith("+gate")
+            gated = "+gate" in mode
             ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=gate["cost"] if gated else cost,
                                  window_size=1, collectives=groups.side if mode.startswith("overlap") else groups.main,
-                                 device=dev, min_saving=gate["min_saving"] if gated else None)
+                                 device=dev, min_saving=gate["min_saving"] if gated else None,
+                                 gate_backoff=args.gate_backoff if mode.endswith("+backoff") else 0)
             buf = ReorderingBuffer(iter(shares), ex, overlap=mode.startswith("overlap"))
             it = iter(buf)
         times = []
@@ -197,14 +200,14 @@ def main():
                                encoder_image_weight=w_img), min_saving=float(ex_ms))
     gate_info = dict(fit_ms_per_patch=w_p, fit_ms_per_patch2=w_sq, fit_ms_per_image=fit.weights["images"],
                      fit_intercept_ms=fit.intercept, fit_r2=fit.r2, min_saving_ms=float(ex_ms))
-    run("sync+gate")
-    run("overlap+gate")
+    for mode in ("sync+gate", "overlap+gate", "sync+gate+backoff", "overlap+gate+backoff"):
+        run(mode)
     per_round = []
-    order = ["off", "sync", "sync+gate", "overlap", "overlap+gate"]
+    order = ["off", "sync", "sync+gate", "sync+gate+backoff", "overlap", "overlap+gate", "overlap+gate+backoff"]
     samples, predicted = {m: [] for m in order}, None
     gated_mask = {m: [] for m in order}  # per round: bool per timed step, its window was gated
     sync_exchange = []  # per round: exchange time inside the synchronous steps
-    gated_slots = {m: 0 for m in order if m.endswith("+gate")}
+    gated_slots = {m: 0 for m in order if "+gate" in m}
     for k in range(args.rounds):  # modes interleaved and rotated, so drift and order hit all alike
         for mode in order[k % len(order):] + order[:k % len(order)]:
             times, reports = run(mode)
@@ -239,24 +242,24 @@ def main():
     out["sync_exchange"] = sync_exchange
     out["per_round"] = per_round
     if me == 0:
-        print(f"{'mode':10} {'mean ms':>8} {'p50':>8} {'p90':>8} {'p99':>8}")
+        print(f"{'mode':20} {'mean ms':>8} {'p50':>8} {'p90':>8} {'p99':>8}")
         for m, r in results.items():
             if m == "allocator":
                 print("allocator:", r)
                 continue
-            print(f"{m:10} {r['mean']:8.2f} {r['p50']:8.2f} {r['p90']:8.2f} {r['p99']:8.2f}")
+            print(f"{m:20} {r['mean']:8.2f} {r['p50']:8.2f} {r['p90']:8.2f} {r['p99']:8.2f}")
         print(f"predicted ideal gain {predicted:.1%}; gain / ideal (overlap, mean) {out['gain_over_ideal']:.2f}")
         for m, g in out["gains"].items():
-            print(f"  {m:13} mean gain {g['mean']:6.1%}  p90 gain {g['p90']:6.1%}  never slower: {out['never_slower'][m]}")
+            print(f"  {m:20} mean gain {g['mean']:6.1%}  p90 gain {g['p90']:6.1%}  never slower: {out['never_slower'][m]}")
         print("gate:", gate_info, "gated steps:", out["gated_steps"])
         print("synchronous exchange inside the steps:", sync_exchange)
         print("paired by step (off minus mode, ms; every mode replays the same micro-batches; + = faster):")
         for m, d in out["paired"].items():
-            print(f"  {m:13} all {d['all']['mean_ms']:+6.2f} ± {d['all']['ci95_ms']:.2f} (n {d['all']['n']})"
+            print(f"  {m:20} all {d['all']['mean_ms']:+6.2f} ± {d['all']['ci95_ms']:.2f} (n {d['all']['n']})"
                   + "".join(f"  {k} {d[k]['mean_ms']:+6.2f} ± {d[k]['ci95_ms']:.2f} (n {d[k]['n']})"
                             for k in ("moved", "gated") if k in d))
         for r in per_round:
-            print(f"  round {r['round']} {r['mode']:8} mean {r['mean_ms']:8.2f} ms  max {r['max_ms']:8.2f} ms")
+            print(f"  round {r['round']} {r['mode']:20} mean {r['mean_ms']:8.2f} ms  max {r['max_ms']:8.2f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)

@@ -36,10 +36,10 @@ def test_benchmark_writes_the_issue_keys(tmp_path, script, args, keys):
     for k in keys:
         assert isinstance(result[k], float) and math.isfinite(result[k]), (k, result.get(k))
     if script == "e2e_vision.py":  # paired step differences: every timed step once, gated + moved = all
-        for mode in ("sync", "sync+gate", "overlap", "overlap+gate"):
+        for mode in ("sync", "sync+gate", "sync+gate+backoff", "overlap", "overlap+gate", "overlap+gate+backoff"):
             d = result["paired"][mode]
             assert d["all"]["n"] == 4 and math.isfinite(d["all"]["mean_ms"])
-            if mode.endswith("+gate"):
+            if "+gate" in mode:
                 assert d["gated"]["n"] + d["moved"]["n"] == 4
 
 
