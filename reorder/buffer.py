@@ -165,19 +165,25 @@ class ReorderingBuffer:
                 while not self._stop.is_set():
                     if not self._slots.acquire(timeout=0.1):  # the consumer has not taken enough yet
                         continue
-                    window, error = self._read_window()
-                    out, report = self._ex.exchange(window, error)
-                    if not window:
-                        self._put(_END)
-                        return
-                    event = None
-                    if cuda:
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                    if not self._put((out, report, event)):
+                    if not self._prepare_one(stream if cuda else None):
                         return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put(e)
+
+    def _prepare_one(self, stream) -> bool:
+        """Exchange one window on the worker and queue it; False when the worker is done. Its
+        micro-batches are referenced only by the queue once this returns (never kept by the worker
+        while it prepares the next window)."""
+        window, error = self._read_window()
+        out, report = self._ex.exchange(window, error)
+        if not window:
+            self._put(_END)
+            return False
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        return self._put((out, report, event))
 
     def _next_overlap(self):
         while True:

@@ -43,3 +43,33 @@ def test_ahead_must_be_a_positive_integer():
     ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4, cost=CostModel())
     with pytest.raises(ValueError, match="ahead=0 is invalid"):
         ReorderingBuffer(iter([]), ex, overlap=True, ahead=0)
+
+
+def test_worker_keeps_no_reference_to_a_window_it_handed_over():
+    """While the worker prepares the next window, the micro-batches it already queued are referenced
+    only by the consumer: dropped there, they are freed (GPU memory: one window less resident)."""
+    import gc
+    import weakref
+
+    gate = threading.Event()
+
+    def source():  # fresh micro-batches that nothing else references; the third one waits for `gate`
+        rng = np.random.default_rng(1)
+        for k in range(4):
+            if k == 2:
+                gate.wait(10)
+            yield syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k)
+
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4,
+                         cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
+    with ReorderingBuffer(source(), ex, overlap=True) as buf:
+        next(buf)
+        mb = next(buf)  # the worker now reads the third micro-batch and waits in the source
+        ref = weakref.ref(mb["input_ids"])
+        del mb
+        time.sleep(0.2)
+        gc.collect()
+        alive = ref() is not None
+        gate.set()
+        rest = list(buf)
+    assert not alive and len(rest) == 2
