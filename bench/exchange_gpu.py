@@ -74,6 +74,29 @@ def host_costs(dev, exchange_once):
                 numpy_op_us=per_call_us(lambda: (arr == 3).sum()))
 
 
+def live_at_peak(dev) -> list:
+    """From the allocator's recorded history: the allocations alive when allocated memory peaked,
+    grouped by where they were made (innermost reorder/bench frame): [(MiB, count, where)]."""
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, best, best_live = {}, 0, -1, {}
+    for e in snap["device_traces"][dev.index]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > best:
+                best, best_live = total, dict(live)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    groups = {}
+    for e in best_live.values():
+        frames = [f for f in e.get("frames", []) if "/reorder/" in f["filename"] or "/bench/" in f["filename"]]
+        where = " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3]) or "?"
+        mib, n = groups.get(where, (0.0, 0))
+        groups[where] = (mib + e["size"] / 2**20, n + 1)
+    return sorted(((round(m, 1), n, w) for w, (m, n) in groups.items()), reverse=True)[:12]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--per-rank", type=int, nargs="+", default=[8])
@@ -200,6 +223,7 @@ def main():
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=200000)
     with ReorderingBuffer(iter(stream_src), ex, overlap=True) as buf:
         it = iter(buf)
         next(it)
@@ -218,10 +242,14 @@ def main():
         alive = buf.worker_alive
     _sync()
     peak = torch.cuda.max_memory_allocated(dev) - base if cuda else float("nan")  # windows + buffers in flight
+    try:
+        at_peak = live_at_peak(dev) if cuda else []
+    except Exception as e:  # noqa: BLE001 - a diagnostic only: never lose the run over it
+        at_peak = [f"memory history unavailable: {type(e).__name__}: {e}"]
     overlap = dict(exposed_ms_median=float(np.median(exposed)), step_ms_median=float(np.median(steps)),
                    overlap_exposed_fraction=float(np.median(exposed) / np.median(steps)),
                    gpu_peak_mib=peak / 2**20, window_mib=window_bytes / 2**20,
-                   gpu_peak_in_windows=peak / window_bytes)
+                   gpu_peak_in_windows=peak / window_bytes, live_at_peak=at_peak)
     if me == 0:
         print(f"{'per rank':>8} {'W':>2} {'moved MiB':>10} {'exchange ms':>12} {'bare a2a ms':>12} {'ratio':>7} "
               f"{'target ms':>10} {'gloo ms':>8} {'meta ms':>8} {'from host ms':>13} {'early copy ms':>14} "
@@ -236,7 +264,11 @@ def main():
         print("host cost of one exchange (first row):", {k: round(v, 2) for k, v in host.items()})
         if args.profile:
             print(profile_text)
-        print("overlap (W=2):", overlap, "worker alive during stream:", alive)
+        print("overlap (W=2):", {k: v for k, v in overlap.items() if k != "live_at_peak"},
+              "worker alive during stream:", alive)
+        print("alive at the GPU memory peak (MiB, allocations, made at):")
+        for row in overlap["live_at_peak"]:
+            print("  ", row)
         if args.json:
             real = next(r for r in rows if r["per_rank"] == 8 and r["window"] == 1) if any(
                 r["per_rank"] == 8 and r["window"] == 1 for r in rows) else rows[0]
