@@ -74,27 +74,33 @@ def host_costs(dev, exchange_once):
                 numpy_op_us=per_call_us(lambda: (arr == 3).sum()))
 
 
-def live_at_peak(dev) -> list:
-    """From the allocator's recorded history: the allocations alive when allocated memory peaked,
-    grouped by where they were made (innermost reorder/bench frame): [(MiB, count, where)]."""
+def live_at_peak(dev) -> tuple:
+    """From the allocator's recorded history (allocations made while it was on): the peak of their
+    live bytes, and what was alive then, grouped by where it was made (innermost reorder/bench
+    frames) and by whether Python had already freed it (the allocator still waits for a stream that
+    used it): (peak bytes, [(MiB, count, freed-but-pending, where)])."""
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    live, total, best, best_live = {}, 0, -1, {}
+    live, pending, total, best, best_live = {}, set(), 0, -1, {}
     for e in snap["device_traces"][dev.index]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
+            pending.discard(e["addr"])
             total += e["size"]
             if total > best:
-                best, best_live = total, dict(live)
+                best, best_live = total, {a: (x, a in pending) for a, x in live.items()}
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            pending.add(e["addr"])
         elif e["action"] == "free_completed" and e["addr"] in live:
             total -= live.pop(e["addr"])["size"]
+            pending.discard(e["addr"])
     groups = {}
-    for e in best_live.values():
+    for e, freed in best_live.values():
         frames = [f for f in e.get("frames", []) if "/reorder/" in f["filename"] or "/bench/" in f["filename"]]
         where = " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3]) or "?"
-        mib, n = groups.get(where, (0.0, 0))
-        groups[where] = (mib + e["size"] / 2**20, n + 1)
-    return sorted(((round(m, 1), n, w) for w, (m, n) in groups.items()), reverse=True)[:12]
+        mib, n = groups.get((where, freed), (0.0, 0))
+        groups[where, freed] = (mib + e["size"] / 2**20, n + 1)
+    return best, sorted(((round(m, 1), n, freed, w) for (w, freed), (m, n) in groups.items()), reverse=True)[:12]
 
 
 def main():
@@ -243,13 +249,14 @@ def main():
     _sync()
     peak = torch.cuda.max_memory_allocated(dev) - base if cuda else float("nan")  # windows + buffers in flight
     try:
-        at_peak = live_at_peak(dev) if cuda else []
+        stream_peak, at_peak = live_at_peak(dev) if cuda else (float("nan"), [])
     except Exception as e:  # noqa: BLE001 - a diagnostic only: never lose the run over it
-        at_peak = [f"memory history unavailable: {type(e).__name__}: {e}"]
+        stream_peak, at_peak = float("nan"), [f"memory history unavailable: {type(e).__name__}: {e}"]
     overlap = dict(exposed_ms_median=float(np.median(exposed)), step_ms_median=float(np.median(steps)),
                    overlap_exposed_fraction=float(np.median(exposed) / np.median(steps)),
                    gpu_peak_mib=peak / 2**20, window_mib=window_bytes / 2**20,
-                   gpu_peak_in_windows=peak / window_bytes, live_at_peak=at_peak)
+                   gpu_peak_in_windows=peak / window_bytes, stream_peak_mib=stream_peak / 2**20,
+                   stream_peak_in_windows=stream_peak / window_bytes, live_at_peak=at_peak)
     if me == 0:
         print(f"{'per rank':>8} {'W':>2} {'moved MiB':>10} {'exchange ms':>12} {'bare a2a ms':>12} {'ratio':>7} "
               f"{'target ms':>10} {'gloo ms':>8} {'meta ms':>8} {'from host ms':>13} {'early copy ms':>14} "
@@ -266,7 +273,8 @@ def main():
             print(profile_text)
         print("overlap (W=2):", {k: v for k, v in overlap.items() if k != "live_at_peak"},
               "worker alive during stream:", alive)
-        print("alive at the GPU memory peak (MiB, allocations, made at):")
+        print("alive at the peak of the stream's own allocations (MiB, allocations, freed by Python but "
+              "pending, made at):")
         for row in overlap["live_at_peak"]:
             print("  ", row)
         if args.json:

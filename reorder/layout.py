@@ -220,16 +220,20 @@ def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, sh
 
 
 def rebuild(template: dict, layout: BatchLayout, shard: Shard) -> dict:
-    """A micro-batch with the template's structure and global metadata, holding the shard's samples."""
-    def put(obj, path):
-        if isinstance(obj, dict):
-            return {k: put(v, path + (k,)) for k, v in obj.items()}
-        if path in shard.dense:
-            return shard.dense[path]
-        if path in shard.ragged:
-            return shard.ragged[path]
-        if path in layout.lists:
-            j = layout.lists.index(path)
-            return [t[j] for t in shard.lists]
-        return obj
-    return put(template, ())
+    """A micro-batch with the template's structure and global metadata, holding the shard's samples.
+    (A plain recursive function, not a closure: a self-referencing closure would be a reference
+    cycle holding the shard, so device memory would wait for the garbage collector.)"""
+    return _put(template, (), layout, shard)
+
+
+def _put(obj, path, layout, shard):
+    if isinstance(obj, dict):
+        return {k: _put(v, path + (k,), layout, shard) for k, v in obj.items()}
+    if path in shard.dense:
+        return shard.dense[path]
+    if path in shard.ragged:
+        return shard.ragged[path]
+    if path in layout.lists:
+        j = layout.lists.index(path)
+        return [t[j] for t in shard.lists]
+    return obj
