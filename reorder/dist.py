@@ -81,15 +81,17 @@ class TorchCollectives:
 
 
 def _wait(event, timeout: float, what: str, spin: float = 2e-4) -> None:
-    """Wait for a CUDA event without holding the GIL long (poll for `spin` seconds, then sleep-poll);
-    raise CollectiveError after `timeout` seconds."""
+    """Wait for a CUDA event without holding the GIL long: poll for `spin` seconds, then sleep-poll
+    (every 50 us for 0.1 s, then every ms; every ms from the start when spin is 0: each wake-up takes
+    the GIL from the training thread, and the overlap thread's latency is hidden anyway); raise
+    CollectiveError after `timeout` seconds."""
     start = time.perf_counter()
     while not event.query():
         waited = time.perf_counter() - start
         if waited > timeout:
             raise CollectiveError(f"{what} timed out after {timeout:.0f} s: a peer did not arrive")
         if waited >= spin:
-            time.sleep(5e-5 if waited < 0.1 else 1e-3)
+            time.sleep(5e-5 if spin and waited < 0.1 else 1e-3)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

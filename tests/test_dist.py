@@ -28,3 +28,12 @@ def test_wait_raises_after_the_timeout_instead_of_hanging():
     with pytest.raises(CollectiveError, match="gather on rank 3 timed out after 0 s: a peer did not arrive"):
         _wait(ev, timeout=0.05, what="gather on rank 3")
     assert ev.queries > 10  # it kept polling until the deadline
+
+
+def test_wait_without_spin_polls_sparingly():
+    """On the overlap thread (spin 0) each poll would take the GIL from the training thread: it
+    sleeps a millisecond between polls from the start."""
+    ev = _Event(polls=None)
+    with pytest.raises(CollectiveError):
+        _wait(ev, timeout=0.05, what="gather", spin=0.0)
+    assert ev.queries <= 60  # ~1 ms apart, not the 50 us of the synchronous path
