@@ -107,6 +107,16 @@ MUTATIONS = [
     Mutation("exchange no-transfer local reorder ignores the plan", "reorder/exchange.py",
              "[shards[s][0]], orders[s, r * b:(r + 1) * b] - r * b, s,",
              "[shards[s][0]], np.sort(orders[s, r * b:(r + 1) * b] - r * b), s,"),
+    # 8c. the dp-1 module does not apply the gate backoff: it plans windows the dp > 1 modules skip.
+    Mutation("gate backoff missing on the dp-1 path", "reorder/exchange.py",
+             "self._backoff(gated, layout)\n        plan_ms = (time.perf_counter() - t_plan) * 1e3\n        cross = self.cross_slot and len(batches) > 1",
+             "plan_ms = (time.perf_counter() - t_plan) * 1e3\n        cross = self.cross_slot and len(batches) > 1",
+             ("tests/test_exchange_emulated.py",)),
+    # 8d. the backoff never grows: one window skipped after every gated one.
+    Mutation("gate backoff does not double", "reorder/exchange.py",
+             "self._skip = min(2 ** (self._gated_run - 1), self.gate_backoff)",
+             "self._skip = min(1, self.gate_backoff)",
+             ("tests/test_exchange_emulated.py",)),
     # 9. MRoPE position_ids [3, B, S] described with batch dim 0.
     Mutation("layout position_ids batch dim 0", "reorder/layout.py",
              "want = 1 if v.dim() == 3 else 0",
