@@ -367,7 +367,8 @@ class WindowExchanger:
 
     def _skipped(self, batches, error, t0):
         """A window the gate backoff skips: the micro-batches in natural order, per-sample fields (the
-        last planned window's layout) on `device`; errors and the end of the stream stay local."""
+        last planned window's layout) on `device` (as given in shadow mode); errors and the end of the
+        stream stay local."""
         if error is not None:
             raise ReorderError(f"reorder failed on rank {self.grid.rank}: data source raised "
                                f"{type(error).__name__}: {error}")
@@ -377,7 +378,7 @@ class WindowExchanger:
         dev = self.device
         if dev is not None and dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        out = batches if dev is None else [_fields_to(b, self._paths, dev) for b in batches]
+        out = batches if dev is None or self.shadow else [_fields_to(b, self._paths, dev) for b in batches]
         w, nan = len(batches), np.full((len(batches), self.grid.dp), np.nan)
         return out, WindowReport(slots=w, orders=np.tile(np.arange(self.global_batch), (w, 1)), loads_before=nan,
                                  loads_after=nan, moved_samples=0, total_samples=w * self.global_batch,

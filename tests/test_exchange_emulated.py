@@ -413,3 +413,18 @@ def test_a_skipped_window_raises_a_source_error_on_its_own_rank_and_ends_locally
     with pytest.raises(ReorderError, match="reorder failed on rank 0: data source raised OSError: disk"):
         ex.exchange([], OSError("disk"))
     assert ex.exchange([]) == ([], None)
+
+
+def test_a_skipped_window_moves_only_the_per_sample_fields_and_keeps_the_input_intact():
+    """`_fields_to` (skipped windows): the per-sample fields at the given paths go to the device, the
+    rest (global metadata) stays where it is, and the caller's dicts are not modified."""
+    from reorder.exchange import _fields_to
+
+    g = windows_for(6, 4, 1)[0]
+    g["global_scale"] = torch.ones(2)
+    paths = [("input_ids",), ("modality_inputs", "images", "vit", "hidden_states")]
+    out = _fields_to(g, paths, torch.device("meta"))
+    assert out["input_ids"].is_meta and out["modality_inputs"]["images"]["vit"]["hidden_states"].is_meta
+    assert not out["global_scale"].is_meta and not out["modality_inputs"]["images"]["vit"]["grid_thw"].is_meta
+    assert not g["input_ids"].is_meta and not g["modality_inputs"]["images"]["vit"]["hidden_states"].is_meta
+    assert _fields_to(g, paths, torch.device("cpu")) is g  # already there: the batch itself
