@@ -12,7 +12,10 @@ holds that micro-batch plus one window in flight or queued, and the exchange hid
 micro-batch's step; ahead=2 also prepares k+2 while k+1 waits, which absorbs jitter at the cost of
 one more window resident), `record_stream` + an event wait on the consumer side, worker exceptions re-raised
 on the consumer's next `next()`, and a thread that ends on its own when the source is exhausted or
-on `close()` / context-manager exit.
+on `close()` / context-manager exit. Windows the gate backoff skips have nothing to overlap: the
+worker hands each run of them to the consumer, which reads and passes them through itself (a thread
+hand-off per window costs more than the window, and the training thread would lose the GIL to the
+worker for it), then resumes the worker for the next planned window while it consumes the last one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from reorder.exchange import WindowExchanger, WindowReport
 
 log = logging.getLogger("reorder")
 _END = object()
+_INLINE = object()  # queued by the worker: the consumer exchanges the coming run of skipped windows itself
 
 
 def _tensors(obj):
@@ -77,11 +81,14 @@ class ReorderingBuffer:
         self._thread = None
         self._get_timeout = get_timeout
         self.overlap = overlap
+        self._inline = False  # the consumer is exchanging a run of skipped windows itself
+        self._from_worker = False  # the ready micro-batches came from the worker (their slot is released)
         if overlap:
             check_overlap_allowed(exchanger.device)
             self._queue: queue.Queue = queue.Queue()
             self._slots = threading.Semaphore(ahead)  # one per window queued or being prepared
             self._stop = threading.Event()
+            self._inline_done = threading.Event()  # the consumer has exchanged the run of skipped windows
             self._thread = threading.Thread(target=self._worker, name="reorder-overlap", daemon=True)
             self._thread.start()
 
@@ -123,7 +130,7 @@ class ReorderingBuffer:
         if self._done:
             raise StopIteration
         if self.overlap:
-            return self._next_overlap()
+            return self._exchange_inline() if self._inline else self._next_overlap()
         window, error = self._read_window()
         try:
             out, report = self._ex.exchange(window, error)
@@ -141,7 +148,7 @@ class ReorderingBuffer:
         """The next ready micro-batch; with overlap, taking a window's last one lets the worker start
         the next window (its memory is then one micro-batch in use plus one window in flight)."""
         mb = self._ready.popleft()
-        if self.overlap and not self._ready:
+        if self.overlap and not self._ready and self._from_worker:
             self._slots.release()
         return mb
 
@@ -174,6 +181,14 @@ class ReorderingBuffer:
         """Exchange one window on the worker and queue it; False when the worker is done. Its
         micro-batches are referenced only by the queue once this returns (never kept by the worker
         while it prepares the next window)."""
+        if self._ex.skips_next:  # the consumer takes the run; wait until it has (it reads the source)
+            self._inline_done.clear()
+            if not self._put(_INLINE):
+                return False
+            while not self._inline_done.wait(0.1):
+                if self._stop.is_set():
+                    return False
+            return not self._stop.is_set()
         window, error = self._read_window()
         out, report = self._ex.exchange(window, error)
         if not window:
@@ -202,6 +217,9 @@ class ReorderingBuffer:
             self._done = True
             self._thread.join()
             raise item
+        if item is _INLINE:
+            self._inline = True
+            return self._exchange_inline()
         out, report, event = item
         if event is not None:
             current = torch.cuda.current_stream()
@@ -209,9 +227,37 @@ class ReorderingBuffer:
             for t in _tensors(out):
                 if t.is_cuda:
                     t.record_stream(current)
+        self._from_worker = True
         self._record(report)
         self._ready.extend(out)
         return self._take()
+
+    def _exchange_inline(self):
+        """Read and exchange a window the gate backoff skips, on the consumer's thread and stream;
+        after the run's last one, hand the worker its slot back for the next planned window."""
+        try:
+            window, error = self._read_window()
+            out, report = self._ex.exchange(window, error)
+        except BaseException:
+            self._finish()
+            raise
+        if not window:
+            self._finish()
+            raise StopIteration
+        if not self._ex.skips_next:  # the run ends: the worker prepares the next window meanwhile
+            self._inline = False
+            self._inline_done.set()
+            self._slots.release()
+        self._from_worker = False
+        self._record(report)
+        self._ready.extend(out)
+        return self._take()
+
+    def _finish(self):
+        self._done = True
+        self._stop.set()
+        self._inline_done.set()
+        self._thread.join()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker (if any) and wait for it; no thread outlives this call unless it is stuck

@@ -357,6 +357,11 @@ class WindowExchanger:
         mark("assemble")
         return out, self._report(layout, flat, costs, orders, moved, gated, sent, plan_ms, t0, marks)
 
+    @property
+    def skips_next(self) -> bool:
+        """The next window will be skipped by the gate backoff (no collective, nothing to overlap)."""
+        return self._skip > 0
+
     def _backoff(self, gated, layout):
         """After a planned window: how many windows to skip next (the same on every rank and module)."""
         if not self.gate_backoff:

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from reorder import CostModel, WindowExchanger
+from reorder import CostModel, ReorderError, WindowExchanger
 from reorder import synthetic as syn
 from reorder.buffer import ReorderingBuffer
 from reorder.grid import Grid
@@ -96,3 +96,56 @@ def test_reordered_micro_batches_are_freed_without_the_garbage_collector():
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def _gated_exchanger(calls):
+    """dp-1 exchanger whose gate keeps every window (so the backoff skips 1, 2, 4, 4, ... windows after
+    planned ones); records (thread name, skipped) per exchanged window in `calls`."""
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4, min_saving=1e18, gate_backoff=4,
+                         cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
+    inner = ex.exchange
+
+    def exchange(batches, error=None):
+        out, rep = inner(batches, error)
+        if rep is not None:
+            calls.append((threading.current_thread().name, rep.skipped))
+        return out, rep
+    ex.exchange = exchange
+    return ex
+
+
+def test_overlap_hands_skipped_windows_to_the_consumer_and_planned_ones_to_the_worker():
+    rng = np.random.default_rng(3)
+    n = 16
+    batches = [syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k) for k in range(n)]
+    calls = []
+    with ReorderingBuffer(iter(batches), _gated_exchanger(calls), overlap=True) as buf:
+        seen = [mb["sample_id"].tolist() for mb in buf]
+        assert not buf.worker_alive
+    assert seen == [b["sample_id"].tolist() for b in batches]  # natural order, every sample once
+    skipped = [s for _, s in calls]
+    assert skipped == [False, True, False, True, True, False] + [True] * 4 + [False] + [True] * 4 + [False]
+    assert {t for t, s in calls if s} == {threading.main_thread().name}
+    assert {t for t, s in calls if not s} == {"reorder-overlap"}
+
+
+@pytest.mark.parametrize("how", ["end", "error"])
+def test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker(how):
+    rng = np.random.default_rng(4)
+
+    def source():
+        for k in range(4):  # windows 0 (planned), 1 (skipped), 2 (planned), 3 (skipped), then 4 ends or raises
+            yield syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k)
+        if how == "error":
+            raise OSError("disk read failed")
+
+    buf = ReorderingBuffer(source(), _gated_exchanger([]), overlap=True)
+    got = [next(buf) for _ in range(4)]
+    if how == "end":
+        with pytest.raises(StopIteration):
+            next(buf)
+    else:
+        with pytest.raises(ReorderError, match="data source raised OSError: disk read failed"):
+            next(buf)
+    assert len(got) == 4 and not buf.worker_alive
+    buf.close()
