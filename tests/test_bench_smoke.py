@@ -57,3 +57,16 @@ def test_exchange_host_bench_replays_a_real_exchange(tmp_path, gated):
     assert set(r["stage_us"]) == {"prepare", "gather", "plan", "pack", "all_to_all", "assemble"}
     assert 0 < sum(r["stage_us"].values()) <= 1.5 * r["exchange_us"]
     assert r["aten_ops"] > 0 and ("cat" in r["ops_by_kind"]) != gated
+
+
+def test_launch_bound_bench_times_every_mode(tmp_path):
+    """bench/launch_bound.py: every mode streams all micro-batches and gets a finite time per step."""
+    out = tmp_path / "lb.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "launch_bound.py"), "--steps", "12", "--rounds", "1",
+                          "--ops", "20", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["off", "sync", "sync+gate", "sync+gate+backoff", "overlap", "overlap+gate",
+                           "overlap+gate+backoff"]
+    assert all(math.isfinite(m["ms_per_step"]) and m["ms_per_step"] > 0 for m in modes.values())

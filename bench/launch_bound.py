@@ -1,0 +1,87 @@
+"""What reordering costs a launch-bound training loop on the host (CPU, no GPU needed).
+
+The consumer runs a "step" of many tiny torch ops (the training thread busy in Python and dispatch,
+as in a launch-bound model), pulling micro-batches from a dp-1 `ReorderingBuffer` whose cost-benefit
+gate keeps every window, in each mode side by side in one process (modes interleaved over rounds):
+reorder off, synchronous, synchronous + gate, synchronous + gate + backoff, and the same three with
+overlap. Reported: median ms per step and the overhead against off (what the per-window host work
+and, with overlap, the worker thread's share of the GIL cost the loop).
+
+  PYTHONPATH=. python bench/launch_bound.py [--steps 120] [--rounds 7] [--ops 800] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from reorder import CostModel, WindowExchanger
+from reorder import synthetic as syn
+from reorder.buffer import ReorderingBuffer
+from reorder.grid import Grid
+
+MODES = ("off", "sync", "sync+gate", "sync+gate+backoff", "overlap", "overlap+gate", "overlap+gate+backoff")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--ops", type=int, default=800, help="tiny torch ops per step (sets the step time)")
+    p.add_argument("--gate-backoff", type=int, default=8)
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    batches = [syn.make_global_batch(rng, 4, 256, features=8, mix="small", first_id=4 * k) for k in range(args.steps)]
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    x = torch.randn(32, 32)
+
+    def step():
+        y = x
+        for _ in range(args.ops):
+            y = y * 1.0001 + 0.0
+
+    def per_step_ms(mode):
+        if mode == "off":
+            it = iter(batches)
+        else:
+            gate = "+gate" in mode
+            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4, cost=cost,
+                                 min_saving=1e18 if gate else None,
+                                 gate_backoff=args.gate_backoff if mode.endswith("+backoff") else 0)
+            it = ReorderingBuffer(iter(batches), ex, overlap=mode.startswith("overlap"))
+        t = time.perf_counter()
+        n = 0
+        for _ in it:
+            step()
+            n += 1
+        if n != len(batches):
+            raise RuntimeError(f"{mode}: {n} of {len(batches)} micro-batches")
+        if mode != "off":
+            it.close()
+        return (time.perf_counter() - t) / n * 1e3
+
+    runs = {m: [] for m in MODES}
+    for r in range(args.rounds):  # interleaved, alternating direction: drift hits every mode alike
+        for m in (MODES if r % 2 == 0 else MODES[::-1]):
+            runs[m].append(per_step_ms(m))
+    off = float(np.median(runs["off"]))
+    rows = {m: dict(ms_per_step=float(np.median(v)), overhead_ms=float(np.median(v)) - off,
+                    overhead_paired_ms=float(np.median(np.array(v) - np.array(runs["off"]))))
+            for m, v in runs.items()}
+    print(f"{'mode':22} {'ms/step':>8} {'overhead ms':>12} {'paired':>8}")
+    for m, r in rows.items():
+        print(f"{m:22} {r['ms_per_step']:8.3f} {r['overhead_ms']:+12.3f} {r['overhead_paired_ms']:+8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device="cpu (development machine)", steps=args.steps, rounds=args.rounds, ops=args.ops,
+                           modes=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
