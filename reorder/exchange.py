@@ -329,8 +329,7 @@ class WindowExchanger:
         routes = window_routes(orders, dp, r)
         pieces = {}
         send_nat = [(ids // b) * B + r * b + ids % b for ids in routes.send_index]
-        send_sizes = _piece_sizes(layout, flat, send_nat, W, B)
-        recv_sizes = _piece_sizes(layout, flat, routes.recv_natural, W, B)
+        send_sizes, recv_sizes = np.split(_piece_sizes(layout, flat, send_nat + list(routes.recv_natural), W, B), 2)
         send = torch.empty(int(send_sizes.sum()), dtype=torch.uint8, device=self._device(shards))
         jobs = [(shards[s][0], ids[ids // b == s] % b, shards[s][1])
                 for ids in routes.send_index for s in range(W)]  # wire order: peer-major, then slot
