@@ -215,6 +215,7 @@ def _rank_main(rank, world, grids, cfg_kwargs):
                   timeout=datetime.timedelta(seconds=60))
     assert buf.ahead == cfg.overlap_ahead
     assert buf._ex.early_copy == (not cfg.overlap)  # synchronous: the copy to the device starts before planning
+    assert (buf._ex.min_saving, buf._ex.gate_backoff) == (cfg.min_saving, cfg.gate_backoff)
     got = [mb["sample_id"].tolist() for mb in buf]
     buf.close()
     everyone = [None] * world
@@ -245,6 +246,16 @@ def test_wrap_colocated_dp2_from_grids(overlap):
     cfg = ReorderConfig(megatron_mimo_reorder_language_cost_weight=0.5)
     for rank in range(2):
         assert got[rank] == [_expected_ids(g, cfg, 2, rank, 2) for g in _global_batches(5)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_wrap_passes_the_gate_and_its_backoff(overlap):
+    """A gate no window can pass, with backoff: every rank streams its natural share, planned or
+    skipped, with and without the overlap thread."""
+    grids = {"images": grid4(dp=2), "language": grid4(dp=2)}
+    got = _launch(2, grids, megatron_mimo_reorder_overlap=overlap, min_saving=1e18, gate_backoff=4)
+    for rank in range(2):
+        assert got[rank] == [g["sample_id"].tolist()[rank * B // 2:(rank + 1) * B // 2] for g in _global_batches(5)]
 
 
 def test_rank_enum_matches_megatron_golden_table():
