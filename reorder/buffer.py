@@ -210,12 +210,10 @@ class ReorderingBuffer:
                     self._done = True
                     raise RuntimeError("reorder overlap worker ended without a result") from None
         if item is _END:
-            self._done = True
-            self._thread.join()
+            self._finish()
             raise StopIteration
         if isinstance(item, BaseException):
-            self._done = True
-            self._thread.join()
+            self._finish()
             raise item
         if item is _INLINE:
             self._inline = True
@@ -254,6 +252,7 @@ class ReorderingBuffer:
         return self._take()
 
     def _finish(self):
+        """The stream ended or failed: stop the worker (wherever it waits) and wait for it."""
         self._done = True
         self._stop.set()
         self._inline_done.set()

@@ -22,7 +22,7 @@ from reorder import packing
 from reorder.collectives import Collectives
 from reorder.cost import CostModel
 from reorder.grid import Grid, check_global_batch
-from reorder.layout import LayoutError, describe, rebuild
+from reorder.layout import LayoutError, describe, field_at, rebuild
 from reorder.plan import plan_gated_orders, plan_orders, rank_loads
 from reorder.routes import window_routes
 
@@ -379,9 +379,7 @@ class WindowExchanger:
         if not batches:
             return [], None
         self._skip -= 1
-        dev = self.device
-        if dev is not None and dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = packing.resolved(self.device)
         out = batches if dev is None or self.shadow else [_fields_to(b, self._paths, dev) for b in batches]
         w, nan = len(batches), np.full((len(batches), self.grid.dp), np.nan)
         return out, WindowReport(slots=w, orders=np.tile(np.arange(self.global_batch), (w, 1)), loads_before=nan,
@@ -508,7 +506,7 @@ class WindowExchanger:
 def _fields_to(batch: dict, paths: list, device: torch.device) -> dict:
     """`batch` with the tensors at `paths` on `device` (non-blocking copies where they are elsewhere;
     the same objects where they are there already); dicts along the way are shallow copies."""
-    if all(_at(batch, p).device == device for p in paths):
+    if all(field_at(batch, p).device == device for p in paths):
         return batch
     out = dict(batch)
     for path in paths:
@@ -517,12 +515,6 @@ def _fields_to(batch: dict, paths: list, device: torch.device) -> dict:
             d[k] = d = dict(d[k])
         d[path[-1]] = d[path[-1]].to(device, non_blocking=True)
     return out
-
-
-def _at(batch, path):
-    for k in path:
-        batch = batch[k]
-    return batch
 
 
 def _piece_sizes(layout, flat: np.ndarray, natural_ids: list, W: int, B: int) -> np.ndarray:

@@ -112,7 +112,8 @@ class Shard:
         return [pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL) for t in self.lists]
 
 
-def _get(batch, path):
+def field_at(batch, path: Path):
+    """The value at key path `path` of the batch dict."""
     for k in path:
         batch = batch[k]
     return batch
@@ -168,7 +169,7 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
         elif isinstance(v, list) and len(v) == local_batch:
             lists.append(path)
     if lists:
-        cols = [_get(batch, p) for p in lists]
+        cols = [field_at(batch, p) for p in lists]
         shard.lists = list(zip(*cols))
     grid_path = None
     if vision:

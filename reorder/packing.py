@@ -249,6 +249,14 @@ def _add_fields(cat: _Concat, dense, ragged, sources: list, pieces: list):
         cat.pad()
 
 
+def resolved(device: torch.device | None) -> torch.device | None:
+    """`device` with a CUDA index filled in (the current device), so it compares equal to the device
+    of tensors placed there."""
+    if device is not None and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def take(layout: BatchLayout, shards: list, index, device: torch.device | None = None) -> Shard:
     """Samples `index` (into the concatenation of `shards`, each a Shard or a Packed region, in
     that order) as a new shard on `device` (None: where each field's first source lives): every
@@ -256,8 +264,7 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | None =
     ranges from another device copied directly), and the fields are typed views into it. A Shard
     taken whole and in order, already on `device`, is returned without a copy."""
     index = np.asarray(index, dtype=np.int64)
-    if device is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolved(device)
     pieces = _source_runs([s.n for s in shards], index)
     if len(pieces) == 1 and isinstance(shards[pieces[0][0]], Shard) and pieces[0][1] == 0 \
             and pieces[0][2] == shards[pieces[0][0]].n and (device is None or all(
