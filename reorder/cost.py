@@ -50,23 +50,55 @@ class CostModel:
         return torch.from_numpy(counts[0]), torch.from_numpy(counts[1]), torch.from_numpy(counts[2])
 
     def count_array(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> np.ndarray:
-        """`token_counts` as one int64 numpy array [3, B] (placeholders, real tokens, images): numpy
-        for host tensors (no torch dispatch); on a device, five kernels and one host copy."""
+        """`token_counts` as one int64 numpy array [3, B] (placeholders, real tokens, images)."""
+        return self.counts(input_ids, attention_mask, squares=False)[0][:3]
+
+    def counts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, squares: bool | None = None,
+               grid: torch.Tensor | None = None) -> tuple:
+        """(int64 numpy [4, B]: placeholders, real tokens, images, square patches (0 unless `squares`,
+        default: encoder_quadratic_weight > 0), and `grid` (any int tensor, e.g. grid_thw) as int64
+        numpy of its shape, or None). Numpy for host tensors (no torch dispatch); on a device a few
+        kernels and ONE host copy for all of it (no other synchronization)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [B, S]")
         self._check_mask(attention_mask, input_ids)
+        squares = bool(self.encoder_quadratic_weight) if squares is None else squares
         if input_ids.device.type == "cpu" and (attention_mask is None or attention_mask.device.type == "cpu"):
-            ids = input_ids.numpy()
-            out = np.zeros((3, len(ids)), dtype=np.int64)
-            (ids == self.image_token_id).sum(axis=1, out=out[0])
-            (ids == self.vision_start_token_id).sum(axis=1, out=out[2])
-            if attention_mask is not None:
-                m = attention_mask if attention_mask.dtype != torch.bfloat16 else attention_mask.float()
-                (m.numpy() != 0).sum(axis=1, out=out[1])
-            return out
+            return self._counts_numpy(input_ids, attention_mask, squares, grid)
+        return self._counts_torch(input_ids, attention_mask, squares, grid)
+
+    def _counts_numpy(self, input_ids, attention_mask, squares, grid):
+        ids = input_ids.numpy()
+        out = np.zeros((4, len(ids)), dtype=np.int64)
+        placeholders = ids == self.image_token_id
+        placeholders.sum(axis=1, out=out[0])
+        (ids == self.vision_start_token_id).sum(axis=1, out=out[2])
+        if attention_mask is not None:
+            m = attention_mask if attention_mask.dtype != torch.bfloat16 else attention_mask.float()
+            (m.numpy() != 0).sum(axis=1, out=out[1])
+        if squares:
+            out[3] = _square_runs_numpy(placeholders) * self.spatial_merge_size ** 4
+        return out, None if grid is None else grid.to("cpu", torch.int64).numpy()
+
+    def _counts_torch(self, input_ids, attention_mask, squares, grid):
+        b = len(input_ids)
+        m = input_ids == self.image_token_id
         real = torch.zeros_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
-        flags = torch.stack([input_ids == self.image_token_id, real, input_ids == self.vision_start_token_id])
-        return flags.sum(dim=2).cpu().numpy()  # one host sync
+        parts = [torch.stack([m, real, input_ids == self.vision_start_token_id]).sum(dim=2).reshape(-1)]
+        if squares:
+            parts.append(_square_runs_torch(m) * self.spatial_merge_size ** 4)
+        ride = grid is not None and grid.device == input_ids.device  # travels in the same host copy
+        if ride:
+            parts.append(grid.reshape(-1).to(torch.int64))
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one host sync
+        out = np.zeros((4, b), dtype=np.int64)
+        out[:3] = host[:3 * b].reshape(3, b)
+        if squares:
+            out[3] = host[3 * b:4 * b]
+        if grid is None:
+            return out, None
+        g = host[(4 if squares else 3) * b:].reshape(tuple(grid.shape)) if ride else grid.to("cpu", torch.int64).numpy()
+        return out, g
 
     def _check_mask(self, attention_mask, input_ids):
         if attention_mask is None:
@@ -82,15 +114,13 @@ class CostModel:
 
     def square_patches(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [B] on CPU: sum over the sample's images (runs of placeholder tokens) of patches**2."""
-        b, s = input_ids.shape
-        m = (input_ids == self.image_token_id).to(torch.int8)
-        flat = torch.cat([m, torch.zeros(b, 1, dtype=torch.int8, device=m.device)], 1).reshape(-1)
-        edges = torch.diff(flat, prepend=flat.new_zeros(1))
-        starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
-        patches = (ends - starts) * (self.spatial_merge_size ** 2)
-        out = torch.zeros(b, dtype=torch.int64, device=m.device)
-        out.index_add_(0, starts // (s + 1), patches * patches)
-        return out.cpu()
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [B, S]")
+        merge4 = self.spatial_merge_size ** 4
+        m = input_ids == self.image_token_id
+        if m.device.type == "cpu":
+            return torch.from_numpy(_square_runs_numpy(m.numpy()) * merge4)
+        return (_square_runs_torch(m) * merge4).cpu()
 
     def costs(self, placeholders, real_tokens, square_patches=None, images=None) -> np.ndarray:
         """float64 [B] costs from integer counts (array-like; images = vision-start tokens per
@@ -112,3 +142,24 @@ class CostModel:
         if self.language_quadratic_weight:
             cost = cost + self.language_quadratic_weight * (r * r)
         return cost
+
+
+def _square_runs_numpy(m: np.ndarray) -> np.ndarray:
+    """int64 [B]: per row of the bool [B, S] `m`, the sum over runs of True of (run length)**2, as
+    the sum over run positions k = 0, 1, ... of 2k + 1 (no run list, no data-dependent shapes)."""
+    b, s = m.shape
+    start = m.copy()
+    start[:, 1:] &= ~m[:, :-1]
+    idx = np.arange(s, dtype=np.int64)
+    run_start = np.maximum.accumulate(np.where(start, idx, 0), axis=1)
+    return np.where(m, 2 * (idx - run_start) + 1, 0).sum(axis=1, dtype=np.int64)
+
+
+def _square_runs_torch(m: torch.Tensor) -> torch.Tensor:
+    """`_square_runs_numpy` on m's device, with no host synchronization."""
+    b, s = m.shape
+    start = m.clone()
+    start[:, 1:] &= ~m[:, :-1]
+    idx = torch.arange(s, device=m.device, dtype=torch.int64)
+    run_start = torch.where(start, idx, 0).cummax(dim=1).values
+    return torch.where(m, 2 * (idx - run_start) + 1, 0).sum(dim=1)

@@ -22,7 +22,7 @@ from reorder import packing
 from reorder.collectives import Collectives
 from reorder.cost import CostModel
 from reorder.grid import Grid, check_global_batch
-from reorder.layout import LayoutError, describe, field_at, rebuild
+from reorder.layout import LayoutError, describe, field_at, grid_of, rebuild
 from reorder.plan import plan_gated_orders, plan_orders, rank_loads
 from reorder.routes import window_routes
 
@@ -168,9 +168,10 @@ class WindowExchanger:
             ids = batch.get("input_ids") if isinstance(batch, dict) else None
             if not isinstance(ids, torch.Tensor):
                 raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
-            placeholders, real, images = self.cost.count_array(ids, batch.get("attention_mask"))
+            per_sample, grid = self.cost.counts(ids, batch.get("attention_mask"), grid=grid_of(batch))
+            placeholders, real, images, sq = per_sample
             layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
-                                     batch_dims=self.batch_dims, image_counts=torch.from_numpy(images))
+                                     batch_dims=self.batch_dims, image_counts=torch.from_numpy(images), grid_host=grid)
             if layouts and layout != layouts[0]:
                 raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
                                   f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
@@ -190,7 +191,6 @@ class WindowExchanger:
             blobs = shard.list_blobs()
             layouts.append(layout)
             shards.append((shard, blobs))
-            sq = self.cost.square_patches(ids).numpy() if self.cost.encoder_quadratic_weight else 0
             c = np.empty((self.local_batch, COLS), dtype=np.int64)
             c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 5] = placeholders, real, images, rows, sq
             c[:, 4] = [len(x) for x in blobs]

@@ -119,6 +119,13 @@ def field_at(batch, path: Path):
     return batch
 
 
+def grid_of(batch) -> torch.Tensor | None:
+    """The batch's grid_thw tensor when it carries exactly one (else None: `describe` explains)."""
+    mi = batch.get("modality_inputs") if isinstance(batch, dict) else None
+    found = [v for p, v in _walk(mi) if p and p[-1] == "grid_thw"] if isinstance(mi, dict) else []
+    return found[0] if len(found) == 1 and isinstance(found[0], torch.Tensor) else None
+
+
 def _walk(obj, path=()):
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -130,8 +137,10 @@ def _walk(obj, path=()):
 
 
 def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
-             batch_dims: dict | None = None, image_counts: torch.Tensor | None = None) -> tuple[BatchLayout, Shard]:
-    """Split one rank's micro-batch of `local_batch` samples into its layout and a shard.
+             batch_dims: dict | None = None, image_counts: torch.Tensor | None = None,
+             grid_host: np.ndarray | None = None) -> tuple[BatchLayout, Shard]:
+    """Split one rank's micro-batch of `local_batch` samples into its layout and a shard
+    (image_counts: per-sample vision-start tokens; grid_host: grid_thw already on the host, as int64).
 
     Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
     not match the vision tensors, or a per-sample field whose batch dim is not `local_batch`.
@@ -173,12 +182,14 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
         shard.lists = list(zip(*cols))
     grid_path = None
     if vision:
-        grid_path = _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts)
+        grid_path = _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts,
+                                     grid_host)
     layout = BatchLayout(tuple(dense), tuple(ragged), tuple(lists), grid_path)
     return layout, shard
 
 
-def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts=None):
+def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts=None,
+                     grid_host=None):
     grids = [(p, v) for p, v in vision if p[-1] == "grid_thw"]
     if len(grids) != 1:
         raise LayoutError(f"modality_inputs must hold exactly one 'grid_thw' tensor, found {len(grids)}: "
@@ -196,7 +207,9 @@ def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, sh
                           f"{n_img} vision-start tokens (id {vision_start_token_id}): image counts are "
                           "mis-sourced or vision_start_token_id is wrong")
     csum = np.zeros(n_img + 1, dtype=np.int64)  # patch rows before each image (host arithmetic)
-    np.cumsum(grid.to("cpu", torch.int64).numpy().prod(axis=1), out=csum[1:])
+    if grid_host is None:
+        grid_host = grid.to("cpu", torch.int64).numpy()
+    np.cumsum(grid_host.prod(axis=1), out=csum[1:])
     total_rows = int(csum[-1])
     ends = np.cumsum(counts)
     row_counts = torch.from_numpy(csum[ends] - csum[ends - counts])

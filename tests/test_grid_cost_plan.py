@@ -122,6 +122,30 @@ def test_quadratic_cost_matches_spec(b, s, ew, eq, lw, lq, ei, merge, data):
     assert got.tolist() == want  # bit-exact, runs of placeholders = images
 
 
+@given(st.integers(1, 5), st.integers(1, 30), st.integers(1, 3), st.booleans(), st.data())
+def test_both_counting_paths_match_spec(b, s, merge, with_grid, data):
+    """The numpy path (host tensors) and the torch path (device tensors: one host copy, no other
+    sync), run here on CPU tensors, give the same counts as the spec, and carry grid_thw along."""
+    ids = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([5, 7, 7, 9]), min_size=s, max_size=s),
+                                          min_size=b, max_size=b)))
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=s, max_size=s), min_size=b, max_size=b)))
+    grid = torch.tensor(data.draw(st.lists(st.integers(1, 99), min_size=0, max_size=12)), dtype=torch.int32)
+    grid = grid[:len(grid) // 3 * 3].reshape(-1, 3) if with_grid else None
+    m = CostModel(encoder_weight=1.0, image_token_id=7, vision_start_token_id=9, spatial_merge_size=merge)
+    kw = dict(image_token_id=7, spatial_merge_size=merge, vision_start_token_id=9)
+    want = [[ref.sample_cost(ids[i].tolist(), mask[i].tolist(), encoder_weight=w, language_weight=lw,
+                             encoder_quadratic_weight=q, encoder_image_weight=im, **kw)
+             for i in range(b)] for w, lw, q, im in ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0))]
+    for path in (m._counts_numpy, m._counts_torch):
+        counts, g = path(ids, mask, True, grid)
+        assert counts.dtype == np.int64 and counts.shape == (4, b)
+        assert (counts[0] * merge * merge).tolist() == want[0]
+        assert counts[1:].tolist() == want[1:]
+        assert (g is None) == (grid is None) and (g is None or (g.dtype == np.int64 and g.tolist() == grid.tolist()))
+        no_sq, _ = path(ids, mask, False, None)
+        assert no_sq[:3].tolist() == counts[:3].tolist() and not no_sq[3].any()
+
+
 def test_quadratic_cost_golden():
     # two images of 2 and 3 placeholders (merge 2: 8 and 12 patches) -> 8^2 + 12^2 = 208
     ids = torch.tensor([[7, 7, 5, 7, 7, 7], [5, 5, 5, 5, 5, 5]])
