@@ -270,6 +270,9 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | None =
             and pieces[0][2] == shards[pieces[0][0]].n and (device is None or all(
                 t.device == device for t in (*shards[pieces[0][0]].dense.values(), *shards[pieces[0][0]].ragged.values()))):
         return shards[pieces[0][0]]  # taken whole, in order, in place: no copy
+    if len(shards) == 1 and isinstance(shards[0], Shard) and all(
+            device is None or t.device == device for t in (*shards[0].dense.values(), *shards[0].ragged.values())):
+        return _gather(layout, shards[0], index, pieces)
     sources = [_Source(s) if isinstance(s, Shard) else s for s in shards]
     out = Shard(n=len(index))
     by_device = {}  # device -> (dense fields, ragged fields), in layout order
@@ -294,6 +297,70 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | None =
     if layout.lists:
         out.lists = [e for k, a, b in pieces for e in sources[k].lists(a, b)]
     return out
+
+
+def _gather(layout: BatchLayout, shard: Shard, index: np.ndarray, pieces: list) -> Shard:
+    """`take` of one shard whose fields all stay on their device (dp-1 permutation, a local
+    reorder): one index_select per dense field and per per-image field (both indices copied to the
+    device in one host-to-device copy), per-row fields by their runs (`pieces`): one cat of narrow
+    views, or one memcpy per run for a field of BIG bytes or more. Typically 3x fewer torch ops
+    than packing every field into one buffer, and no typed views."""
+    out = Shard(n=len(index))
+    dev = next(iter(shard.dense.values()), None)
+    dev = dev.device if dev is not None else next(iter(shard.ragged.values())).device
+    image_index = np.zeros(0, dtype=np.int64)
+    if layout.ragged:
+        rows, images = (shard.row_counts.numpy(), shard.image_counts.numpy())
+        out.row_counts, out.image_counts = torch.from_numpy(rows[index]), torch.from_numpy(images[index])
+        starts = _offsets(images)
+        image_index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in index.tolist()] or [image_index])
+    both = torch.from_numpy(np.concatenate([index, image_index])).to(dev, non_blocking=True)
+    sample_ix, image_ix = both[:len(index)], both[len(index):]
+    for f in layout.dense:
+        out.dense[f.path] = _select(shard.dense[f.path], f.batch_dim, sample_ix)
+    row_starts = None
+    for f in layout.ragged:
+        t = shard.ragged[f.path]
+        if f.per == "image":
+            out.ragged[f.path] = _select(t, 0, image_ix)
+            continue
+        if row_starts is None:
+            row_starts = _offsets(shard.row_counts.numpy())
+        ranges = [(int(row_starts[a]), int(row_starts[b] - row_starts[a])) for _, a, b in pieces]
+        ranges = [r for r in ranges if r[1]]
+        total = sum(n for _, n in ranges)
+        if total * f.entry_bytes < BIG or len(ranges) <= 1:
+            parts = [t.narrow(0, a, n) for a, n in ranges]
+            out.ragged[f.path] = torch.cat(parts) if len(parts) > 1 else (
+                parts[0].clone() if parts else t.new_empty((0, *f.entry_shape)))
+        else:  # big: one memcpy per run (a cat kernel copies at a fraction of memcpy speed)
+            dst, at = t.new_empty((total, *f.entry_shape)), 0
+            for a, n in ranges:
+                dst.narrow(0, at, n).copy_(t.narrow(0, a, n), non_blocking=True)
+                at += n
+            out.ragged[f.path] = dst
+    if layout.lists:
+        out.lists = [shard.lists[i] for i in index.tolist()]
+    return out
+
+
+# dtypes every backend's index_select handles (the standard dispatch set); others go through words
+_SELECTABLE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+               torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+
+
+def _select(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """index_select of `t` along `dim`, bit-for-bit for any dtype: other dtypes are gathered as the
+    widest integer word that divides one entry's bytes."""
+    if t.dtype in _SELECTABLE:
+        return torch.index_select(t, dim, index)
+    shape = list(t.shape)
+    pre, n = math.prod(shape[:dim]), shape[dim]
+    nbytes = math.prod(shape[dim + 1:]) * t.dtype.itemsize
+    word = next(w for w in (8, 4, 2, 1) if nbytes % w == 0)
+    words = t.contiguous().view(torch.uint8).view(pre, n, nbytes).view(_WORDS[word])
+    shape[dim] = len(index)
+    return torch.index_select(words, 1, index).view(torch.uint8).view(t.dtype).view(shape)
 
 
 def _cat_counts(sources, pieces, per) -> np.ndarray:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from reorder import packing
 from reorder import synthetic as syn
-from reorder.layout import LayoutError, describe, rebuild
+from reorder.layout import LayoutError, Shard, describe, rebuild
 from spec.samples import per_sample_bytes
 
 DTYPES = [d for d in (getattr(torch, n, None) for n in (
@@ -143,3 +143,27 @@ def test_big_ranges_are_copied_on_their_own_bit_exact(big, monkeypatch):
     layout, shard = describe(g, 6, vision_start_token_id=syn.VISION_START)
     took = rebuild(g, layout, packing.take(layout, [shard], [3, 4, 0]))
     assert per_sample_bytes(took, vision_start_token_id=syn.VISION_START) == [want[i] for i in [3, 4, 0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_take_of_one_shard_in_place_is_bit_exact_for_every_dtype(dtype):
+    """One shard whose fields stay on their device goes through the per-field gather (index_select,
+    or integer words for dtypes outside the standard set): same bytes as the packing path."""
+    gen = torch.Generator().manual_seed(1)
+    batch = syn.make_global_batch(np.random.default_rng(3), 5, 64, features=3, mix="small", text_only=0.2)
+    batch.update(x=random_of(dtype, (5, 3, 2), gen), pos=random_of(dtype, (5,), gen),
+                 position_ids=random_of(dtype, (3, 5, 6), gen))
+    vit = batch["modality_inputs"]["images"]["vit"]
+    vit["hidden_states"] = random_of(dtype, tuple(vit["hidden_states"].shape), gen)
+    layout, shard = describe(batch, 5, vision_start_token_id=syn.VISION_START)
+    want = per_sample_bytes(batch, vision_start_token_id=syn.VISION_START)
+    empty = Shard(n=0, dense={f.path: shard.dense[f.path][:0] if f.batch_dim == 0 else shard.dense[f.path][:, :0]
+                              for f in layout.dense},
+                  ragged={f.path: shard.ragged[f.path][:0] for f in layout.ragged},
+                  row_counts=shard.row_counts[:0], image_counts=shard.image_counts[:0])
+    for index in ([4, 0, 2], [1, 1, 3, 0], [], [0, 1, 2, 3, 4][::-1]):
+        got = rebuild(batch, layout, packing.take(layout, [shard], index))
+        other = rebuild(batch, layout, packing.take(layout, [shard, empty], index))  # the packing path
+        for out in (got, other):
+            assert per_sample_bytes(out, vision_start_token_id=syn.VISION_START) == [want[i] for i in index]
+            assert out["x"].dtype == dtype and out["position_ids"].shape == (3, len(index), 6)
