@@ -15,11 +15,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from reorder import CostModel, WindowExchanger
+from reorder import CostModel, WindowExchanger, packing
 from reorder import synthetic as syn
 from reorder.buffer import ReorderingBuffer
 from reorder.dist import build_groups
 from reorder.exchange import COLS, HEADER, TEXT_BYTES
+from reorder.layout import grid_of
 
 
 def _sync():
@@ -44,6 +45,15 @@ def _tensors(batch):
             yield from _tensors(v)
     elif isinstance(batch, torch.Tensor):
         yield batch
+
+
+def _empty(shard):
+    """A shard of no samples with the fields of `shard` (a second source for `take`)."""
+    from reorder.layout import Shard
+    return Shard(n=0, dense={p: t.narrow(1 if p == ("position_ids",) and t.dim() == 3 else 0, 0, 0)
+                             for p, t in shard.dense.items()},
+                 ragged={p: t[:0] for p, t in shard.ragged.items()}, row_counts=shard.row_counts[:0],
+                 image_counts=shard.image_counts[:0], lists=[] if shard.lists is not None else None)
 
 
 def host_costs(dev, exchange_once):
@@ -190,7 +200,7 @@ def main():
                              plan_ms=rep.plan_ms, stage_ms=stage_ms))
     # dp-1 local permutation (no communication) on device-resident micro-batches: 8 different
     # micro-batches in turn (the plan permutes some, keeps others in natural order: both are timed)
-    perm, permuted = {}, {}
+    perm, permuted, perm_split, dp1_parts, dp1_host = {}, {}, {}, {}, {}
     for mb in args.dp1_sizes:
         rng = np.random.default_rng(7)
         gs = [syn.to_device(syn.make_global_batch(rng, mb, S, features=F, mix=args.mix), dev) for _ in range(8)]
@@ -200,6 +210,32 @@ def main():
         permuted[mb] = sum(bool((r.orders != np.arange(mb)).any()) for r in reps)
         k = iter(range(10**9))
         perm[mb] = timed(lambda: loc.exchange([gs[next(k) % 8]]), args.reps * 8)
+        for kind, keep in (("permuted", True), ("natural", False)):  # the two kinds of micro-batch apart
+            mine = [g for g, r in zip(gs, reps) if bool((r.orders != np.arange(mb)).any()) == keep]
+            if mine:
+                k = iter(range(10**9))
+                perm_split[mb, kind] = timed(lambda: loc.exchange([mine[next(k) % len(mine)]]), args.reps * 8)
+        g = gs[next(i for i, r in enumerate(reps) if (r.orders != np.arange(mb)).any())]
+        lay, shards, counts = loc._prepare([g])
+        costs = cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
+        order = loc._plan(costs)[0][0]
+        dp1_parts[mb] = dict(
+            prepare=timed(lambda: loc._prepare([g]), args.reps * 4),
+            counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid=grid_of(g)), args.reps * 4),
+            plan=timed(lambda: loc._plan(costs), args.reps * 4),
+            take=timed(lambda: packing.take(lay, [shards[0][0]], order, dev), args.reps * 4),
+            # the same take through the packing path (one buffer, byte-range views), which a
+            # second, empty source forces: what the per-field gather replaced
+            take_packed=timed(lambda: packing.take(lay, [shards[0][0], _empty(shards[0][0])], order, dev),
+                              args.reps * 4))
+        # from pinned host memory (a data loader's batch): the whole dp-1 exchange, which lands on the
+        # device in canonical order, against what reorder off does (every tensor .to(device))
+        hs = [pin(syn.make_global_batch(np.random.default_rng(7 + i), mb, S, features=F, mix=args.mix))
+              for i in range(8)]
+        k = iter(range(10**9))
+        dp1_host[mb] = dict(exchange=timed(lambda: loc.exchange([hs[next(k) % 8]]), args.reps * 8),
+                            to_device=timed(lambda: [t.to(dev, non_blocking=True) for t in _tensors(hs[next(k) % 8])],
+                                            args.reps * 8))
     # overlap: exposed time per next() while a fake compute step of compute_ms runs on the GPU
     w, per = 2, args.per_rank[0]
     B = per * world
@@ -268,6 +304,10 @@ def main():
                   f"{r['exchange_from_host_early_copy_ms']:14.2f} {r['plan_ms']:8.3f}")
             print("         stages (ms, synchronized):", {k: round(v, 3) for k, v in r["stage_ms"].items()})
         print("dp-1 local permutation ms:", perm, "micro-batches permuted of 8:", permuted)
+        print("  dp-1 by kind ms:", {f"{mb}/{kind}": round(v, 3) for (mb, kind), v in perm_split.items()},
+              "parts ms:", {mb: {k: round(v, 3) for k, v in d.items()} for mb, d in dp1_parts.items()})
+        print("  dp-1 from pinned host ms (exchange, against .to(device) of every tensor):",
+              {mb: {k: round(v, 3) for k, v in d.items()} for mb, d in dp1_host.items()})
         print("host cost of one exchange (first row):", {k: round(v, 2) for k, v in host.items()})
         if args.profile:
             print(profile_text)
@@ -286,6 +326,8 @@ def main():
                                exchange_fixed_ms=real["exchange_ms"] - real["a2a_ms"],
                                overlap_exposed_fraction=overlap["overlap_exposed_fraction"],
                                dp1_perm_ms_mb4=perm.get(4), dp1_perm_ms_mb32=perm.get(32), dp1_permuted_of_8=permuted,
+                               dp1_by_kind_ms={f"{mb}/{kind}": v for (mb, kind), v in perm_split.items()},
+                               dp1_parts_ms=dp1_parts, dp1_from_pinned_host_ms=dp1_host,
                                host=host),
                           f, indent=2)
     dist.destroy_process_group()

@@ -60,6 +60,7 @@ def main():
     cat_ms = median_ms(lambda: torch.cat(parts, out=cat_out), args.reps)  # preallocated, like pack
     dst = [cat_out[a - x.numel():a] for x, a in zip(parts, np.cumsum([x.numel() for x in parts]).tolist())]
     copy_ms = median_ms(lambda: [d.copy_(x) for d, x in zip(dst, parts)], args.reps)  # memcpy per field
+    foreach_ms = median_ms(lambda: torch._foreach_copy_(dst, parts), args.reps)  # one fused multi-tensor copy
     cat_alloc_ms = median_ms(lambda: torch.cat(parts), args.reps)  # fresh output, like take
     back = packing.unpack(layout, buf, len(index), shard.row_counts[index], shard.image_counts[index], [])
     take_ms = median_ms(lambda: packing.take(layout, [back], index), args.reps)
@@ -74,12 +75,14 @@ def main():
     result = dict(bytes=size, pack_ms=pack_ms, cat_ms=cat_ms, take_ms=take_ms, pack_gbps=gb / pack_ms * 1e3,
                   cat_gbps=gb / cat_ms * 1e3, cat_alloc_ms=cat_alloc_ms, cat_alloc_gbps=gb / cat_alloc_ms * 1e3,
                   take_gbps=gb / take_ms * 1e3, pack_over_cat=pack_ms / cat_ms, copy_ms=copy_ms,
-                  copy_gbps=gb / copy_ms * 1e3, pack_over_copy=pack_ms / copy_ms, device=str(dev) if dev.type == "cpu"
+                  copy_gbps=gb / copy_ms * 1e3, foreach_ms=foreach_ms, foreach_gbps=gb / foreach_ms * 1e3,
+                  pack_over_copy=pack_ms / copy_ms, device=str(dev) if dev.type == "cpu"
                   else torch.cuda.get_device_name(dev), threads=1, samples=args.samples, patch_rows=rows, **extra)
     print(f"{'op':28} {'ms':>8} {'GB/s':>7}   ({size / 2**20:.1f} MiB, {args.samples} samples, {rows} patch rows, 1 thread)")
     print(f"{'pack (all fields, one buffer)':28} {pack_ms:8.2f} {result['pack_gbps']:7.2f}")
     print(f"{'torch.cat, preallocated out':28} {cat_ms:8.2f} {result['cat_gbps']:7.2f}")
     print(f"{'copy_ per field (memcpy)':28} {copy_ms:8.2f} {result['copy_gbps']:7.2f}")
+    print(f"{'_foreach_copy_ of the fields':28} {foreach_ms:8.2f} {result['foreach_gbps']:7.2f}")
     print(f"{'torch.cat, fresh output':28} {cat_alloc_ms:8.2f} {result['cat_alloc_gbps']:7.2f}")
     print(f"{'unpack + take (reassembly)':28} {take_ms:8.2f} {result['take_gbps']:7.2f}")
     for k, v in extra.items():
