@@ -82,23 +82,25 @@ class CostModel:
 
     def _counts_torch(self, input_ids, attention_mask, squares, grid):
         b = len(input_ids)
-        m = input_ids == self.image_token_id
-        real = torch.zeros_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
-        parts = [torch.stack([m, real, input_ids == self.vision_start_token_id]).sum(dim=2).reshape(-1)]
+        tokens = _token_pair(input_ids.device, self.image_token_id, self.vision_start_token_id)
+        hits = input_ids.unsqueeze(-1) == tokens  # [B, S, 2]: placeholder, vision start
+        parts = [hits.sum(dim=1).reshape(-1)]  # [B * 2], sample-major
+        if attention_mask is not None:
+            parts.append((attention_mask != 0).sum(dim=1))
         if squares:
-            parts.append(_square_runs_torch(m) * self.spatial_merge_size ** 4)
+            parts.append(_square_runs_torch(hits[..., 0]) * self.spatial_merge_size ** 4)
         ride = grid is not None and grid.device == input_ids.device  # travels in the same host copy
         if ride:
             parts.append(grid.reshape(-1).to(torch.int64))
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one host sync
-        out = np.zeros((4, b), dtype=np.int64)
-        out[:3] = host[:3 * b].reshape(3, b)
-        if squares:
-            out[3] = host[3 * b:4 * b]
+        out, at = np.zeros((4, b), dtype=np.int64), 2 * b
+        out[[0, 2]] = host[:at].reshape(b, 2).T
+        for row, present in ((1, attention_mask is not None), (3, squares)):
+            if present:
+                out[row], at = host[at:at + b], at + b
         if grid is None:
             return out, None
-        g = host[(4 if squares else 3) * b:].reshape(tuple(grid.shape)) if ride else grid.to("cpu", torch.int64).numpy()
-        return out, g
+        return out, host[at:].reshape(tuple(grid.shape)) if ride else grid.to("cpu", torch.int64).numpy()
 
     def _check_mask(self, attention_mask, input_ids):
         if attention_mask is None:
@@ -142,6 +144,18 @@ class CostModel:
         if self.language_quadratic_weight:
             cost = cost + self.language_quadratic_weight * (r * r)
         return cost
+
+
+_TOKENS = {}  # (device, image_token_id, vision_start_token_id) -> int64 [2] on that device
+
+
+def _token_pair(device, image_token_id: int, vision_start_token_id: int) -> torch.Tensor:
+    """The two token ids as a tensor on `device`, made once (no host-to-device copy per call)."""
+    key = (device, image_token_id, vision_start_token_id)
+    t = _TOKENS.get(key)
+    if t is None:
+        t = _TOKENS[key] = torch.tensor([image_token_id, vision_start_token_id], device=device)
+    return t
 
 
 def _square_runs_numpy(m: np.ndarray) -> np.ndarray:

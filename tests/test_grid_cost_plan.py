@@ -144,6 +144,9 @@ def test_both_counting_paths_match_spec(b, s, merge, with_grid, data):
         assert (g is None) == (grid is None) and (g is None or (g.dtype == np.int64 and g.tolist() == grid.tolist()))
         no_sq, _ = path(ids, mask, False, None)
         assert no_sq[:3].tolist() == counts[:3].tolist() and not no_sq[3].any()
+        no_mask, g2 = path(ids, None, True, grid)
+        assert no_mask[[0, 2, 3]].tolist() == counts[[0, 2, 3]].tolist() and not no_mask[1].any()
+        assert (g2 is None) == (grid is None) and (g2 is None or g2.tolist() == grid.tolist())
 
 
 def test_quadratic_cost_golden():
