@@ -57,11 +57,12 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
 
 
 class _Source:
-    """One shard as byte ranges: each field flattened once to a 1-D view of its own dtype (a copy
-    only if the field is not contiguous), ragged entry offsets made on first use."""
+    """One shard as byte ranges: each field flattened once per shard (kept in `Shard.flat`, so packing
+    and reassembling the same shard flatten once) to a 1-D view of its own dtype (a copy only if the
+    field is not contiguous), ragged entry offsets made on first use."""
 
     def __init__(self, shard: Shard):
-        self.shard, self.n, self._flat, self._starts, self._counts = shard, shard.n, {}, {}, {}
+        self.shard, self.n, self._flat, self._starts, self._counts = shard, shard.n, shard.flat, {}, {}
 
     def counts(self, per: str) -> np.ndarray:
         c = self._counts.get(per)
