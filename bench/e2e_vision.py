@@ -6,7 +6,8 @@ each without the cost-benefit gate, with it, and with it plus the gate backoff.
 A small ViT-like encoder (patch embedding, pre-norm blocks with full attention inside each image via
 scaled_dot_product_attention, MLP) runs forward + backward on each rank's images, then the gradients
 are all-reduced (NCCL), as in data-parallel training. Every mode replays the same global
-micro-batches (a named image-size mix, pinned host memory). Reported per mode: step time mean, p50,
+micro-batches (a named image-size mix, pinned host memory); every mode, off included, hands the step
+the micro-batch with every tensor on the device (off: non-blocking copies of each). Reported per mode: step time mean, p50,
 p90, p99 (rank 0's clock; the all-reduce makes every step as slow as the slowest rank), and the gain
 predicted from the cost balance (1 - sum of max per-rank patches after / before) next to the measured
 mean gain. The "+gate" modes are calibrated in the same run: each rank's own compute time is fitted
@@ -159,8 +160,8 @@ def main():
     def run(mode, calibrate=False):
         """Steps of one mode; returns (step ms after the warm-up steps, reports). calibrate: record
         this rank's compute time and features of every step after the warm-up steps."""
-        if mode == "off":
-            it = iter(shares)
+        if mode == "off":  # the batch delivered on the device as every reorder mode delivers it (and a
+            it = (syn.to_device(s, dev, non_blocking=True) for s in shares)  # training step needs it)
             buf = None
         else:
             gated = "+gate" in mode

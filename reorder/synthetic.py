@@ -100,11 +100,11 @@ def rank_share(batch: dict, dp: int, rank: int) -> dict:
     return take_samples(batch, np.arange(rank * b, (rank + 1) * b))
 
 
-def to_device(batch, device):
+def to_device(batch, device, non_blocking: bool = False):
     """Every tensor of a (nested) batch moved to `device`."""
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch.to(device) if isinstance(batch, torch.Tensor) else batch
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    return batch.to(device, non_blocking=non_blocking) if isinstance(batch, torch.Tensor) else batch
 
 
 def pin(batch):
