@@ -84,7 +84,8 @@ def paired(samples, gated_mask, rounds, steps):
     """Step-by-step differences off - mode (ms, + = mode faster): every mode replays the same
     micro-batches in the same order, so step k of every mode holds the same batch and the difference
     cancels the batch's own cost. Mean and 95% half-width over (round, step) pairs; for the gated
-    modes also split into steps whose window was gated and steps whose window moved samples."""
+    modes also split into steps whose window was gated and steps whose window moved samples; and the
+    mean of each round ("rounds_ms": a slow spell of the machine shows as one round apart)."""
     off = np.array(samples["off"]).reshape(rounds, steps)
 
     def stats(d):
@@ -97,7 +98,7 @@ def paired(samples, gated_mask, rounds, steps):
         if m == "off":
             continue
         diff = off - np.array(samples[m]).reshape(rounds, steps)
-        out[m] = {"all": stats(diff.reshape(-1))}
+        out[m] = {"all": stats(diff.reshape(-1)), "rounds_ms": diff.mean(axis=1).tolist()}
         if "+gate" in m:
             g = np.array(gated_mask[m]).reshape(rounds, steps)
             out[m]["gated"], out[m]["moved"] = stats(diff[g]), stats(diff[~g])
@@ -258,7 +259,8 @@ def main():
         for m, d in out["paired"].items():
             print(f"  {m:20} all {d['all']['mean_ms']:+6.2f} ± {d['all']['ci95_ms']:.2f} (n {d['all']['n']})"
                   + "".join(f"  {k} {d[k]['mean_ms']:+6.2f} ± {d[k]['ci95_ms']:.2f} (n {d[k]['n']})"
-                            for k in ("moved", "gated") if k in d))
+                            for k in ("moved", "gated") if k in d)
+                  + "  by round " + " ".join(f"{x:+.2f}" for x in d["rounds_ms"]))
         for r in per_round:
             print(f"  round {r['round']} {r['mode']:20} mean {r['mean_ms']:8.2f} ms  max {r['max_ms']:8.2f} ms")
         if args.json:
