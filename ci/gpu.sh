@@ -26,6 +26,7 @@ for case in source_raises bad_input early_end; do
   run "nccl_fault_${case}" $TR functional_tests/gloo_suite.py --vision-dp 0 --language-dp $N --device cuda --case $case \
       --timeout 60
 done
+run dp1_cuda python3 functional_tests/dp1_cuda.py --device cuda
 run cdmc1_overlap_refused env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -c "
 import torch
 from reorder.buffer import check_overlap_allowed

@@ -260,10 +260,11 @@ def resolved(device: torch.device | None) -> torch.device | None:
 
 def take(layout: BatchLayout, shards: list, index, device: torch.device | None = None) -> Shard:
     """Samples `index` (into the concatenation of `shards`, each a Shard or a Packed region, in
-    that order) as a new shard on `device` (None: where each field's first source lives): every
-    field is written into one new buffer (`_Concat.write`: batched small ranges, big ranges and
-    ranges from another device copied directly), and the fields are typed views into it. A Shard
-    taken whole and in order, already on `device`, is returned without a copy."""
+    that order) as a new shard on `device` (None: where each field's first source lives). A Shard
+    taken whole and in order, already on `device`, is returned without a copy; one Shard alone is
+    gathered field by field (`_gather`); otherwise every field is written into one new buffer
+    (`_Concat.write`: batched small ranges, big ranges and ranges from another device copied
+    directly), and the fields are typed views into it."""
     index = np.asarray(index, dtype=np.int64)
     device = resolved(device)
     pieces = _source_runs([s.n for s in shards], index)
@@ -271,9 +272,8 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | None =
             and pieces[0][2] == shards[pieces[0][0]].n and (device is None or all(
                 t.device == device for t in (*shards[pieces[0][0]].dense.values(), *shards[pieces[0][0]].ragged.values()))):
         return shards[pieces[0][0]]  # taken whole, in order, in place: no copy
-    if len(shards) == 1 and isinstance(shards[0], Shard) and all(
-            device is None or t.device == device for t in (*shards[0].dense.values(), *shards[0].ragged.values())):
-        return _gather(layout, shards[0], index, pieces)
+    if len(shards) == 1 and isinstance(shards[0], Shard):
+        return _gather(layout, shards[0], index, pieces, device)
     sources = [_Source(s) if isinstance(s, Shard) else s for s in shards]
     out = Shard(n=len(index))
     by_device = {}  # device -> (dense fields, ragged fields), in layout order
@@ -300,48 +300,72 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | None =
     return out
 
 
-def _gather(layout: BatchLayout, shard: Shard, index: np.ndarray, pieces: list) -> Shard:
-    """`take` of one shard whose fields all stay on their device (dp-1 permutation, a local
-    reorder): one index_select per dense field and per per-image field (both indices copied to the
-    device in one host-to-device copy), per-row fields by their runs (`pieces`): one cat of narrow
-    views, or one memcpy per run for a field of BIG bytes or more. Typically 3x fewer torch ops
-    than packing every field into one buffer, and no typed views."""
+def _gather(layout: BatchLayout, shard: Shard, index: np.ndarray, pieces: list, device) -> Shard:
+    """`take` of one shard (dp-1 permutation, a local reorder), field by field, each field to
+    `device` (None: where it lives). Taken whole and in order: each field as is, or moved whole
+    (`.to(device)`, what reorder off does). Otherwise dense and per-image fields by one index_select
+    each (moved whole first when they live elsewhere: they are small), indices copied once per
+    device; per-row fields by their runs (`pieces`): one cat of narrow views on their own device, or
+    one copy per run, straight from where they live (e.g. pinned host memory) for a field of another
+    device or of BIG bytes or more. About 3x fewer torch ops than packing every field into one
+    buffer, no typed views, and from host memory every byte crosses PCIe once, by DMA."""
     out = Shard(n=len(index))
-    dev = next(iter(shard.dense.values()), None)
-    dev = dev.device if dev is not None else next(iter(shard.ragged.values())).device
-    image_index = np.zeros(0, dtype=np.int64)
+    whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == shard.n
+
+    def there(t):
+        return device is None or t.device == device
+
+    def moved(t):
+        return t if there(t) else t.to(device, non_blocking=True)
+
     if layout.ragged:
-        rows, images = (shard.row_counts.numpy(), shard.image_counts.numpy())
-        out.row_counts, out.image_counts = torch.from_numpy(rows[index]), torch.from_numpy(images[index])
+        rows, images = shard.row_counts.numpy(), shard.image_counts.numpy()
+        out.row_counts, out.image_counts = (shard.row_counts, shard.image_counts) if whole else (
+            torch.from_numpy(rows[index]), torch.from_numpy(images[index]))
+    if layout.lists:
+        out.lists = list(shard.lists) if whole else [shard.lists[i] for i in index.tolist()]
+    if whole:
+        out.dense = {f.path: moved(shard.dense[f.path]) for f in layout.dense}
+        out.ragged = {f.path: moved(shard.ragged[f.path]) for f in layout.ragged}
+        return out
+    host_ix, on = index, {}
+    if any(f.per == "image" for f in layout.ragged):
         starts = _offsets(images)
-        image_index = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in index.tolist()] or [image_index])
-    both = torch.from_numpy(np.concatenate([index, image_index])).to(dev, non_blocking=True)
-    sample_ix, image_ix = both[:len(index)], both[len(index):]
+        host_ix = np.concatenate([index] + [np.arange(starts[i], starts[i + 1]) for i in index.tolist()])
+
+    def ix(dev):  # (sample index, image index) on `dev`, one host-to-device copy per device
+        v = on.get(dev)
+        if v is None:
+            t = torch.from_numpy(host_ix)
+            t = t if dev.type == "cpu" else t.to(dev, non_blocking=True)
+            v = on[dev] = (t[:len(index)], t[len(index):])
+        return v
+
     for f in layout.dense:
-        out.dense[f.path] = _select(shard.dense[f.path], f.batch_dim, sample_ix)
+        t = moved(shard.dense[f.path])
+        out.dense[f.path] = _select(t, f.batch_dim, ix(t.device)[0])
     row_starts = None
     for f in layout.ragged:
         t = shard.ragged[f.path]
         if f.per == "image":
-            out.ragged[f.path] = _select(t, 0, image_ix)
+            t = moved(t)
+            out.ragged[f.path] = _select(t, 0, ix(t.device)[1])
             continue
         if row_starts is None:
-            row_starts = _offsets(shard.row_counts.numpy())
+            row_starts = _offsets(rows)
         ranges = [(int(row_starts[a]), int(row_starts[b] - row_starts[a])) for _, a, b in pieces]
         ranges = [r for r in ranges if r[1]]
         total = sum(n for _, n in ranges)
-        if total * f.entry_bytes < BIG or len(ranges) <= 1:
+        if there(t) and (total * f.entry_bytes < BIG or len(ranges) <= 1):
             parts = [t.narrow(0, a, n) for a, n in ranges]
             out.ragged[f.path] = torch.cat(parts) if len(parts) > 1 else (
                 parts[0].clone() if parts else t.new_empty((0, *f.entry_shape)))
-        else:  # big: one memcpy per run (a cat kernel copies at a fraction of memcpy speed)
-            dst, at = t.new_empty((total, *f.entry_shape)), 0
+        else:  # one copy per run (a cat kernel copies at a fraction of memcpy speed; host ranges by DMA)
+            dst, at = torch.empty((total, *f.entry_shape), dtype=t.dtype, device=device or t.device), 0
             for a, n in ranges:
                 dst.narrow(0, at, n).copy_(t.narrow(0, a, n), non_blocking=True)
                 at += n
             out.ragged[f.path] = dst
-    if layout.lists:
-        out.lists = [shard.lists[i] for i in index.tolist()]
     return out
 
 

@@ -54,3 +54,14 @@ def test_issue8_layouts_on_gloo(layout):
     result = gloo_suite.launch(["--vision-dp", str(dv), "--language-dp", str(dl), "--micro-batch", str(b),
                                 "--window", str(w), "--micro-batches", "6"], dv + dl)
     assert result["micro_batches"] == 6
+
+
+def test_dp1_script_checks_bytes_on_cpu():
+    """functional_tests/dp1_cuda.py (run on a GPU by ci/gpu.sh) passes on CPU at toy sizes."""
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "functional_tests" / "dp1_cuda.py"), "--device", "cpu",
+                          "--features", "8", "--seq-len", "256", "--reps", "2"], cwd=root, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0 and "'ok': True" in res.stdout and "'checked': 24" in res.stdout, res.stdout + res.stderr

@@ -167,3 +167,22 @@ def test_take_of_one_shard_in_place_is_bit_exact_for_every_dtype(dtype):
         for out in (got, other):
             assert per_sample_bytes(out, vision_start_token_id=syn.VISION_START) == [want[i] for i in index]
             assert out["x"].dtype == dtype and out["position_ids"].shape == (3, len(index), 6)
+
+
+def test_take_of_one_shard_to_another_device_moves_every_field():
+    """One shard taken to another device (the meta device stands in for a GPU here): every field
+    lands there with the selection's shape and dtype, whole-and-in-order moves each field as is."""
+    g = syn.make_global_batch(np.random.default_rng(9), 6, 64, features=4, mix="small", text_only=0.2)
+    g["note"] = [f"n{i}" for i in range(6)]
+    layout, shard = describe(g, 6, vision_start_token_id=syn.VISION_START)
+    meta = torch.device("meta")
+    for index in ([5, 0, 2], list(range(6)), [1, 1]):
+        out = packing.take(layout, [shard], index, meta)
+        rows = int(shard.row_counts[index].sum())
+        for f in layout.dense:
+            assert out.dense[f.path].device == meta and out.dense[f.path].dtype == f.dtype
+            assert tuple(out.dense[f.path].shape) == f.full_shape(len(index))
+        for f in layout.ragged:
+            n = rows if f.per == "row" else int(shard.image_counts[index].sum())
+            assert out.ragged[f.path].device == meta and tuple(out.ragged[f.path].shape) == (n, *f.entry_shape)
+        assert out.lists == [shard.lists[i] for i in index] and out.row_counts.tolist() == shard.row_counts[index].tolist()

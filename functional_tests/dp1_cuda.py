@@ -1,0 +1,97 @@
+"""dp-1 reordering on one GPU, byte-exact: a dp-1 module (one process, no collective) permutes
+realistic micro-batches that come (a) from pinned host memory, (b) device-resident, (c) with
+grid_thw left on the host and `device=None`; every output sample must equal the input sample the
+report's canonical order names, bit for bit (spec.samples), on `--device`. Also times (a) against
+what reorder off does with the same batch (every tensor `.to(device)`).
+
+  python functional_tests/dp1_cuda.py [--device cuda] [--features 1176] [--mix realistic]
+
+Prints one RESULT line (ok, and the timings); exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+from reorder import CostModel, WindowExchanger
+from reorder import synthetic as syn
+from reorder.grid import Grid
+from reorder.packing import resolved
+from spec.samples import per_sample_bytes
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _ms(fn, dev, reps):
+    ts = []
+    for _ in range(reps):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(ts))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--features", type=int, default=1176)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--mix", default="realistic")
+    p.add_argument("--reps", type=int, default=16)
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    pin = syn.pin if dev.type == "cuda" else (lambda b: b)
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    bad, checked, timings = [], 0, {}
+    for mb in (4, 32):
+        rng = np.random.default_rng(mb)
+        host = [syn.make_global_batch(rng, mb, args.seq_len, features=args.features, mix=args.mix, first_id=k * mb)
+                for k in range(4)]
+        want = [per_sample_bytes(g, vision_start_token_id=syn.VISION_START) for g in host]
+        on_dev = [syn.to_device(g, dev) for g in host]
+        mixed = [dict(d, modality_inputs={"images": {"vit": dict(
+            d["modality_inputs"]["images"]["vit"], grid_thw=g["modality_inputs"]["images"]["vit"]["grid_thw"])}})
+            for d, g in zip(on_dev, host)]
+        pinned = [pin(g) for g in host]
+        cases = {"pinned host -> device": (pinned, dev), "device-resident": (on_dev, dev),
+                 "grid_thw on host, device None": (mixed, None)}
+        for name, (batches, target) in cases.items():
+            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=mb, cost=cost, device=target)
+            for k, batch in enumerate(batches):
+                (out,), rep = ex.exchange([batch])
+                got = per_sample_bytes(syn.to_device(out, "cpu"), vision_start_token_id=syn.VISION_START)
+                checked += 1
+                if got != [want[k][i] for i in rep.orders[0].tolist()]:
+                    bad.append(f"mb {mb} batch {k} {name}")
+                if target is not None and any(t.device != resolved(target) for t in _tensors(out)):
+                    bad.append(f"mb {mb} batch {k} {name}: a tensor is not on {target}")
+        ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=mb, cost=cost, device=dev)
+        k = iter(range(10**9))
+        timings[f"mb{mb}_from_pinned_ms"] = _ms(lambda: ex.exchange([pinned[next(k) % 4]]), dev, args.reps)
+        timings[f"mb{mb}_to_device_ms"] = _ms(
+            lambda: [t.to(dev, non_blocking=True) for t in _tensors(pinned[next(k) % 4])], dev, args.reps)
+    ok = not bad and checked == 24
+    print("RESULT", dict(ok=ok, checked=checked, mismatches=bad, **{k: round(v, 3) for k, v in timings.items()}))
+    sys.exit(0 if ok else 1)
+
+
+def _tensors(batch):
+    if isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, torch.Tensor):
+        yield batch
+
+
+if __name__ == "__main__":
+    main()
