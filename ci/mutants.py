@@ -121,6 +121,15 @@ MUTATIONS = [
     Mutation("layout position_ids batch dim 0", "reorder/layout.py",
              "want = 1 if v.dim() == 3 else 0",
              "want = 0"),
+    # 10. the dp-1 / local gather selects per-image fields (grid_thw) with the sample index.
+    Mutation("gather per-image fields by sample index", "reorder/packing.py",
+             "out.ragged[f.path] = _select(t, 0, ix(t.device)[1])",
+             "out.ragged[f.path] = _select(t, 0, ix(t.device)[0])"),
+    # 11. device counting: squared run lengths summed as 2k instead of 2k + 1 per position.
+    Mutation("device square patches drop the +1", "reorder/cost.py",
+             "return torch.where(m, 2 * (idx - run_start) + 1, 0).sum(dim=1)",
+             "return torch.where(m, 2 * (idx - run_start), 0).sum(dim=1)",
+             ("tests/test_grid_cost_plan.py",)),
 ]
 
 
