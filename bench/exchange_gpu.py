@@ -233,7 +233,10 @@ def main():
         hs = [pin(syn.make_global_batch(np.random.default_rng(7 + i), mb, S, features=F, mix=args.mix))
               for i in range(8)]
         k = iter(range(10**9))
+        early = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), global_batch=mb, cost=cost,
+                                device=dev, early_copy=True)
         dp1_host[mb] = dict(exchange=timed(lambda: loc.exchange([hs[next(k) % 8]]), args.reps * 8),
+                            early_copy=timed(lambda: early.exchange([hs[next(k) % 8]]), args.reps * 8),
                             to_device=timed(lambda: [t.to(dev, non_blocking=True) for t in _tensors(hs[next(k) % 8])],
                                             args.reps * 8))
     # overlap: exposed time per next() while a fake compute step of compute_ms runs on the GPU
