@@ -20,7 +20,7 @@ from reorder import synthetic as syn
 from reorder.buffer import ReorderingBuffer
 from reorder.dist import build_groups
 from reorder.exchange import COLS, HEADER, TEXT_BYTES
-from reorder.layout import grid_of
+from reorder.layout import grid_of, tensors
 
 
 def _sync():
@@ -37,14 +37,6 @@ def timed(fn, reps):
         _sync()
         ts.append((time.perf_counter() - t) * 1e3)
     return float(np.median(ts))
-
-
-def _tensors(batch):
-    if isinstance(batch, dict):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, torch.Tensor):
-        yield batch
 
 
 def _empty(shard):
@@ -237,7 +229,7 @@ def main():
                                 device=dev, early_copy=True)
         dp1_host[mb] = dict(exchange=timed(lambda: loc.exchange([hs[next(k) % 8]]), args.reps * 8),
                             early_copy=timed(lambda: early.exchange([hs[next(k) % 8]]), args.reps * 8),
-                            to_device=timed(lambda: [t.to(dev, non_blocking=True) for t in _tensors(hs[next(k) % 8])],
+                            to_device=timed(lambda: syn.to_device(hs[next(k) % 8], dev, non_blocking=True),
                                             args.reps * 8))
     # overlap: exposed time per next() while a fake compute step of compute_ms runs on the GPU
     w, per = 2, args.per_rank[0]
@@ -260,7 +252,7 @@ def main():
     ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w, collectives=groups.side,
                          device=dev)
     exposed, steps = [], []
-    window_bytes = max(sum(t.numel() * t.element_size() for k in range(j, j + w) for t in _tensors(stream_src[k]))
+    window_bytes = max(sum(t.numel() * t.element_size() for k in range(j, j + w) for t in tensors(stream_src[k]))
                        for j in range(0, len(stream_src), w))
     rep = on_dev = gs = None  # nothing of the earlier measurements stays on the device
     _sync()

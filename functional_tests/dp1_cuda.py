@@ -21,6 +21,7 @@ import torch
 from reorder import CostModel, WindowExchanger
 from reorder import synthetic as syn
 from reorder.grid import Grid
+from reorder.layout import tensors
 from reorder.packing import resolved
 from spec.samples import per_sample_bytes
 
@@ -73,24 +74,16 @@ def main():
                 checked += 1
                 if got != [want[k][i] for i in rep.orders[0].tolist()]:
                     bad.append(f"mb {mb} batch {k} {name}")
-                if target is not None and any(t.device != resolved(target) for t in _tensors(out)):
+                if target is not None and any(t.device != resolved(target) for t in tensors(out)):
                     bad.append(f"mb {mb} batch {k} {name}: a tensor is not on {target}")
         ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=mb, cost=cost, device=dev)
         k = iter(range(10**9))
         timings[f"mb{mb}_from_pinned_ms"] = _ms(lambda: ex.exchange([pinned[next(k) % 4]]), dev, args.reps)
-        timings[f"mb{mb}_to_device_ms"] = _ms(
-            lambda: [t.to(dev, non_blocking=True) for t in _tensors(pinned[next(k) % 4])], dev, args.reps)
+        timings[f"mb{mb}_to_device_ms"] = _ms(lambda: syn.to_device(pinned[next(k) % 4], dev, non_blocking=True),
+                                              dev, args.reps)
     ok = not bad and checked == 24
     print("RESULT", dict(ok=ok, checked=checked, mismatches=bad, **{k: round(v, 3) for k, v in timings.items()}))
     sys.exit(0 if ok else 1)
-
-
-def _tensors(batch):
-    if isinstance(batch, dict):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, torch.Tensor):
-        yield batch
 
 
 if __name__ == "__main__":

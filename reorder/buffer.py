@@ -30,21 +30,11 @@ from collections import deque
 import torch
 
 from reorder.exchange import WindowExchanger, WindowReport
+from reorder.layout import tensors
 
 log = logging.getLogger("reorder")
 _END = object()
 _INLINE = object()  # queued by the worker: the consumer exchanges the coming run of skipped windows itself
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def check_overlap_allowed(device) -> None:
@@ -222,7 +212,7 @@ class ReorderingBuffer:
         if event is not None:
             current = torch.cuda.current_stream()
             current.wait_event(event)
-            for t in _tensors(out):
+            for t in tensors(out):
                 if t.is_cuda:
                     t.record_stream(current)
         self._from_worker = True

@@ -120,6 +120,18 @@ def field_at(batch, path: Path):
     return batch
 
 
+def tensors(obj):
+    """Every tensor of a (nested) batch: dict values, list and tuple items, depth first."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors(v)
+
+
 def grid_of(batch) -> torch.Tensor | None:
     """The batch's grid_thw tensor when it carries exactly one (else None: `describe` explains)."""
     mi = batch.get("modality_inputs") if isinstance(batch, dict) else None
