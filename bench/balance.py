@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from reorder.balancers import balanced, exact, identity, lower_bound, lpt  # noqa: E402
+from reorder.plan.balancers import balanced, exact, identity, lower_bound, lpt  # noqa: E402
 
 BALANCERS = {"identity": identity, "lpt": lpt, "balanced": balanced}
 DISTS = ("bimodal", "lognormal", "heavytail")

@@ -11,7 +11,7 @@ the micro-batch with every tensor on the device (off: non-blocking copies of eac
 p90, p99 (rank 0's clock; the all-reduce makes every step as slow as the slowest rank), and the gain
 predicted from the cost balance (1 - sum of max per-rank patches after / before) next to the measured
 mean gain. The "+gate" modes are calibrated in the same run: each rank's own compute time is fitted
-(non-negative least squares, reorder.calibrate) on patches, per-image patches^2 and images, which
+(non-negative least squares, reorder.integrations.calibrate) on patches, per-image patches^2 and images, which
 gives a cost model in ms (the planner then balances the fitted time); min_saving is the synchronous
 exchange's median ms (rank 0's figure, the same on both ranks), so a micro-batch moves only when its
 predicted saving exceeds the exchange. The "+backoff" modes add gate_backoff (--gate-backoff). Step k
@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from reorder import CostModel, WindowExchanger
-from reorder import synthetic as syn
-from reorder.buffer import ReorderingBuffer
-from reorder.calibrate import fit_cost_weights
-from reorder.dist import build_groups
+from reorder.cli import synthetic as syn
+from reorder.runtime.buffer import ReorderingBuffer
+from reorder.integrations.calibrate import fit_cost_weights
+from reorder.exchange.dist import build_groups
 
 
 class Block(nn.Module):

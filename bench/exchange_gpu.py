@@ -15,12 +15,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from reorder import CostModel, WindowExchanger, packing
-from reorder import synthetic as syn
-from reorder.buffer import ReorderingBuffer
-from reorder.dist import build_groups
-from reorder.exchange import COLS, HEADER, TEXT_BYTES
-from reorder.layout import grid_of, tensors
+from reorder import CostModel, WindowExchanger
+
+from reorder.batch import packing
+from reorder.cli import synthetic as syn
+from reorder.runtime.buffer import ReorderingBuffer
+from reorder.exchange.dist import build_groups
+from reorder.exchange.exchanger import COLS, HEADER, TEXT_BYTES
+from reorder.batch.layout import grid_of, tensors
 
 
 def _sync():
@@ -41,7 +43,7 @@ def timed(fn, reps):
 
 def _empty(shard):
     """A shard of no samples with the fields of `shard` (a second source for `take`)."""
-    from reorder.layout import Shard
+    from reorder.batch.layout import Shard
     return Shard(n=0, dense={p: t.narrow(1 if p == ("position_ids",) and t.dim() == 3 else 0, 0, 0)
                              for p, t in shard.dense.items()},
                  ragged={p: t[:0] for p, t in shard.ragged.items()}, row_counts=shard.row_counts[:0],
@@ -113,7 +115,7 @@ def main():
     p.add_argument("--compute-ms", type=float, default=200.0, help="fake step time for the overlap run")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--features", type=int, default=1176, help="vision features per patch row (bf16)")
-    p.add_argument("--mix", default="large", help="image-size mix (reorder.synthetic.SIZE_MIXES)")
+    p.add_argument("--mix", default="large", help="image-size mix (reorder.cli.synthetic.SIZE_MIXES)")
     p.add_argument("--matmul", type=int, default=8192, help="side of the fake compute step's square matmul")
     p.add_argument("--dp1-sizes", type=int, nargs="+", default=[4, 32], help="micro-batch sizes of the dp-1 run")
     p.add_argument("--profile", action="store_true", help="cProfile 20 synchronous exchanges from pinned host")

@@ -20,9 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from reorder import CostModel, WindowExchanger
-from reorder import synthetic as syn
-from reorder.collectives import run_emulated
-from reorder.grid import Grid
+from reorder.cli import synthetic as syn
+from reorder.exchange.collectives import run_emulated
+from reorder.plan.grid import Grid
 
 
 class Replay:

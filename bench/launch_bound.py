@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from reorder import CostModel, WindowExchanger
-from reorder import synthetic as syn
-from reorder.buffer import ReorderingBuffer
-from reorder.grid import Grid
+from reorder.cli import synthetic as syn
+from reorder.runtime.buffer import ReorderingBuffer
+from reorder.plan.grid import Grid
 
 MODES = ("off", "sync", "sync+gate", "sync+gate+backoff", "overlap", "overlap+gate", "overlap+gate+backoff")
 

@@ -16,9 +16,9 @@ import time
 import numpy as np
 import torch
 
-from reorder import packing
-from reorder import synthetic as syn
-from reorder.layout import describe
+from reorder.batch import packing
+from reorder.cli import synthetic as syn
+from reorder.batch.layout import describe
 
 
 def median_ms(fn, reps):

@@ -29,7 +29,7 @@ done
 run dp1_cuda python3 functional_tests/dp1_cuda.py --device cuda
 run cdmc1_overlap_refused env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -c "
 import torch
-from reorder.buffer import check_overlap_allowed
+from reorder.runtime.buffer import check_overlap_allowed
 try:
     check_overlap_allowed(torch.device('cuda', 0)); raise SystemExit('not refused')
 except ValueError as e:

@@ -52,81 +52,81 @@ EXCHANGE_COSTS = ("# natural order per slot\n"
 
 MUTATIONS = [
     # 1. LPT visit order (-cost, -index) instead of (-cost, index): ties broken the wrong way.
-    Mutation("lpt tie-break flipped (-cost, -index)", "reorder/balancers.py",
+    Mutation("lpt tie-break flipped (-cost, -index)", "reorder/plan/balancers.py",
              'visit = np.argsort(-c, kind="stable")  # (-cost, index)',
              "visit = np.lexsort((-np.arange(len(c)), -c))"),
     # 2a. Reassembly gather of slot s reads the canonical order of slot s-1.
-    Mutation("routes gather uses previous slot's order", "reorder/routes.py",
+    Mutation("routes gather uses previous slot's order", "reorder/plan/routes.py",
              "nat = orders[s, rank * b:(rank + 1) * b]",
              "nat = orders[s - 1, rank * b:(rank + 1) * b]"),
     # 2b. Stable sort key without the slot term: pieces ordered by (position, slot), not (slot, position).
-    Mutation("routes sort key drops slot term", "reorder/routes.py",
+    Mutation("routes sort key drops slot term", "reorder/plan/routes.py",
              "key = (np.arange(slots)[:, None] * batch + pos).reshape(-1)",
              "key = (np.zeros((slots, 1), dtype=np.int64) + pos).reshape(-1)"),
     # 3a. Received pieces of the other sources concatenated in descending source order.
-    Mutation("exchange receive sources reversed", "reorder/exchange.py",
+    Mutation("exchange receive sources reversed", "reorder/exchange/exchanger.py",
              "sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]",
              "sources = [shards[s][0]] + [pieces[q, s] for q in reversed(range(dp)) if (q, s) in pieces]"),
     # 3b. Within one source, arrival order assumed descending instead of ascending.
-    Mutation("routes arrival order within source reversed", "reorder/routes.py",
+    Mutation("routes arrival order within source reversed", "reorder/plan/routes.py",
              "idx[from_q] = base + np.arange(int(from_q.sum()))",
              "idx[from_q] = base + np.arange(int(from_q.sum()))[::-1]"),
     # 4a. ragged entry offsets shifted by one sample: every sample's rows start at its neighbour's.
-    Mutation("packing ragged offsets off-by-one", "reorder/packing.py",
+    Mutation("packing ragged offsets off-by-one", "reorder/batch/packing.py",
              "np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])",
              "np.concatenate([[0, 0], np.cumsum(counts, dtype=np.int64)[:-1]])"),
     # 4b. the copy does not pad the dense regions to ALIGN (nbytes and the views still do).
-    Mutation("packing copy skips ALIGN padding (dense)", "reorder/packing.py",
+    Mutation("packing copy skips ALIGN padding (dense)", "reorder/batch/packing.py",
              "cat.add(sources[k].dense(f, p, post, a, b))\n        cat.pad()",
              "cat.add(sources[k].dense(f, p, post, a, b))"),
     # 5a. spatial merge factor not squared.
-    Mutation("cost merge factor not squared", "reorder/cost.py",
+    Mutation("cost merge factor not squared", "reorder/batch/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
              "merge2 = float(self.spatial_merge_size)"),
     # 5b. real-token count includes padding.
-    Mutation("cost attention mask counts padding", "reorder/cost.py",
+    Mutation("cost attention mask counts padding", "reorder/batch/cost.py",
              "(m.numpy() != 0).sum(axis=1, out=out[1])",
              "(m.numpy() >= 0).sum(axis=1, out=out[1])"),
     # 6. owner of a canonical group round-robin (modulo) instead of contiguous blocks (division).
-    Mutation("grid owner modulo instead of division", "reorder/grid.py",
+    Mutation("grid owner modulo instead of division", "reorder/plan/grid.py",
              "return group // self.groups_per_rank",
              "return group % self.dp"),
     # 7a. exchange language cost from the image-count column instead of real tokens.
-    Mutation("exchange cost real-token column -> images", "reorder/exchange.py",
+    Mutation("exchange cost real-token column -> images", "reorder/exchange/exchanger.py",
              EXCHANGE_COSTS,
              EXCHANGE_COSTS.replace("counts[..., 0], counts[..., 1]", "counts[..., 0], counts[..., 2]")),
     # 7b. exchange encoder cost from the image-count column instead of placeholders.
-    Mutation("exchange cost placeholder column -> images", "reorder/exchange.py",
+    Mutation("exchange cost placeholder column -> images", "reorder/exchange/exchanger.py",
              EXCHANGE_COSTS,
              EXCHANGE_COSTS.replace("counts[..., 0], counts[..., 1]", "counts[..., 2], counts[..., 1]")),
     # 8. the error bit of the all-gathered header is always 0: a rank-local error is not shared.
-    Mutation("exchange header error bit always 0", "reorder/exchange.py",
+    Mutation("exchange header error bit always 0", "reorder/exchange/exchanger.py",
              "return [MAGIC, int(error), slots,",
              "return [MAGIC, 0, slots,"),
     # 8b. when no sample changes rank, the local reorder keeps natural order instead of the plan's.
-    Mutation("exchange no-transfer local reorder ignores the plan", "reorder/exchange.py",
+    Mutation("exchange no-transfer local reorder ignores the plan", "reorder/exchange/exchanger.py",
              "[shards[s][0]], orders[s, r * b:(r + 1) * b] - r * b, s,",
              "[shards[s][0]], np.sort(orders[s, r * b:(r + 1) * b] - r * b), s,"),
     # 8c. the dp-1 module does not apply the gate backoff: it plans windows the dp > 1 modules skip.
-    Mutation("gate backoff missing on the dp-1 path", "reorder/exchange.py",
+    Mutation("gate backoff missing on the dp-1 path", "reorder/exchange/exchanger.py",
              "self._backoff(gated, layout)\n        plan_ms = (time.perf_counter() - t_plan) * 1e3\n        cross = self.cross_slot and len(batches) > 1",
              "plan_ms = (time.perf_counter() - t_plan) * 1e3\n        cross = self.cross_slot and len(batches) > 1",
              ("tests/test_exchange_emulated.py",)),
     # 8d. the backoff never grows: one window skipped after every gated one.
-    Mutation("gate backoff does not double", "reorder/exchange.py",
+    Mutation("gate backoff does not double", "reorder/exchange/exchanger.py",
              "self._skip = min(2 ** (self._gated_run - 1), self.gate_backoff)",
              "self._skip = min(1, self.gate_backoff)",
              ("tests/test_exchange_emulated.py",)),
     # 9. MRoPE position_ids [3, B, S] described with batch dim 0.
-    Mutation("layout position_ids batch dim 0", "reorder/layout.py",
+    Mutation("layout position_ids batch dim 0", "reorder/batch/layout.py",
              "want = 1 if v.dim() == 3 else 0",
              "want = 0"),
     # 10. the dp-1 / local gather selects per-image fields (grid_thw) with the sample index.
-    Mutation("gather per-image fields by sample index", "reorder/packing.py",
+    Mutation("gather per-image fields by sample index", "reorder/batch/packing.py",
              "out.ragged[f.path] = _select(t, 0, ix(t.device)[1])",
              "out.ragged[f.path] = _select(t, 0, ix(t.device)[0])"),
     # 11. device counting: squared run lengths summed as 2k instead of 2k + 1 per position.
-    Mutation("device square patches drop the +1", "reorder/cost.py",
+    Mutation("device square patches drop the +1", "reorder/batch/cost.py",
              "return torch.where(m, 2 * (idx - run_start) + 1, 0).sum(dim=1)",
              "return torch.where(m, 2 * (idx - run_start), 0).sum(dim=1)",
              ("tests/test_grid_cost_plan.py",)),

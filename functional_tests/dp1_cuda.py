@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from reorder import CostModel, WindowExchanger
-from reorder import synthetic as syn
-from reorder.grid import Grid
-from reorder.layout import tensors
-from reorder.packing import resolved
+from reorder.cli import synthetic as syn
+from reorder.plan.grid import Grid
+from reorder.batch.layout import tensors
+from reorder.batch.packing import resolved
 from spec.samples import per_sample_bytes
 
 

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from reorder import CostModel, WindowExchanger
-from reorder import synthetic as syn
-from reorder.buffer import ReorderingBuffer
-from reorder.dist import build_groups
-from reorder.checks import check_rank
-from reorder.harness import module_fields
+from reorder.cli import synthetic as syn
+from reorder.runtime.buffer import ReorderingBuffer
+from reorder.exchange.dist import build_groups
+from support.checks import check_rank
+from support.harness import module_fields
 from spec import invariants as inv
 from spec import reference as ref
 
@@ -180,10 +180,10 @@ def _rank_main(rank, world, argv):
 
 
 def launch(argv, world: int, timeout: float = 300.0) -> dict:
-    """Run the suite on `world` forked Gloo processes (reorder.multiproc: one intra-op thread per
+    """Run the suite on `world` forked Gloo processes (reorder.cli.processes: one intra-op thread per
     child, so a parent's OpenMP pool cannot hang them; the whole run is bounded by `timeout`);
     returns rank 0's result, raises ProcessesFailed on any failure."""
-    from reorder.multiproc import run_processes
+    from reorder.cli.processes import run_processes
 
     return run_processes(_rank_main, world, (argv,), timeout=timeout)
 

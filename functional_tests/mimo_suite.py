@@ -4,10 +4,10 @@ with and without reorder (issue 4, item 4).
 Model (megatron-core >= 0.17, no Transformer Engine, no apex, fp32, dropout 0): a patch encoder
 (linear patch embedding + one local-spec TransformerBlock with per-image block-diagonal attention +
 2x2 spatial merge) -> MultimodalProjector (MLP) -> GPTModel (local spec, MRoPE, position_ids
-[3, B, S]) inside MimoModel with a module_to_grid_map. Data: reorder.synthetic Qwen-VL samples (0-4
+[3, B, S]) inside MimoModel with a module_to_grid_map. Data: reorder.cli.synthetic Qwen-VL samples (0-4
 images of variable size, fixed-width padding), read through reorder's CanonicalBatchSampler
 (cyclic, scalable reads: rank r reads its contiguous 1/dp share) and wrapped with
-`reorder.megatron.wrap`. The encoder is per-image (sample-local), so reordering changes which rank
+`reorder.integrations.megatron.wrap`. The encoder is per-image (sample-local), so reordering changes which rank
 runs a sample, never its activations.
 
 Tests (launch with torchrun; every rank runs the same test):
@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from reorder import megatron as rm  # noqa: E402
-from reorder import synthetic as syn  # noqa: E402
-from reorder.config import ReorderConfig  # noqa: E402
-from reorder.sampler import CanonicalBatchSampler  # noqa: E402
+from reorder.integrations import megatron as rm  # noqa: E402
+from reorder.cli import synthetic as syn  # noqa: E402
+from reorder.integrations.config import ReorderConfig  # noqa: E402
+from reorder.integrations.sampler import CanonicalBatchSampler  # noqa: E402
 from spec import reference as ref  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -365,7 +365,7 @@ def expected_share(env, cfg, window_ids):
     if cfg.balancer == "lpt":
         order = ref.lpt_order(costs, env["dp"])
     else:  # no slow reference for the other balancers: the library's own plan on the spec's costs
-        from reorder.balancers import get_balancer
+        from reorder.plan.balancers import get_balancer
         order = get_balancer(cfg.balancer)(np.array(costs, dtype=np.float64), env["dp"]).tolist()
     return [window_ids[i] for i in order]
 

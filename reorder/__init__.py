@@ -4,19 +4,19 @@ Core pieces: `canonical_grid` / `Grid` (where samples belong), `CostModel` (per-
 input_ids / attention_mask), `plan_orders` + balancers (who goes where), `WindowExchanger` (one
 rank's window exchange over any `Collectives`), `ReorderingBuffer` (the iterator a training loop
 uses), `ReorderConfig` / `CanonicalBatchSampler` (Megatron fields, scalable reads), `ReorderError`
-(raised on every rank together). Megatron-Core glue: `reorder.megatron` (imported lazily).
+(raised on every rank together). Megatron-Core glue: `reorder.integrations.megatron` (imported lazily).
 """
 
-from reorder.balancers import BALANCERS, get_balancer
-from reorder.buffer import ReorderingBuffer
-from reorder.collectives import CollectiveError, EmulatedGroup, run_emulated
-from reorder.config import ReorderConfig
-from reorder.cost import CostModel
-from reorder.exchange import ReorderError, WindowExchanger, WindowReport
-from reorder.grid import Grid, canonical_grid, check_global_batch
-from reorder.layout import LayoutError
-from reorder.plan import plan_orders, rank_loads
-from reorder.sampler import CanonicalBatchSampler
+from reorder.plan.balancers import BALANCERS, get_balancer
+from reorder.runtime.buffer import ReorderingBuffer
+from reorder.exchange.collectives import CollectiveError, EmulatedGroup, run_emulated
+from reorder.integrations.config import ReorderConfig
+from reorder.batch.cost import CostModel
+from reorder.exchange.exchanger import ReorderError, WindowExchanger, WindowReport
+from reorder.plan.grid import Grid, canonical_grid, check_global_batch
+from reorder.batch.layout import LayoutError
+from reorder.plan.orders import plan_orders, rank_loads
+from reorder.integrations.sampler import CanonicalBatchSampler
 
 __all__ = [
     "BALANCERS", "CanonicalBatchSampler", "CollectiveError", "CostModel", "EmulatedGroup", "Grid", "LayoutError",

@@ -12,8 +12,9 @@ import sys
 
 
 def main(argv=None) -> int:
-    from reorder import demo, simulate
-    from reorder.cli_util import CliError
+    from reorder.cli import demo
+    from reorder.cli import simulate
+    from reorder.cli.common import CliError
 
     parser = argparse.ArgumentParser(prog="python -m reorder",
                                      description="Rebalance multimodal micro-batches across DP ranks: demo and "

@@ -11,7 +11,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from reorder import plan_orders
-from reorder.balancers import BALANCERS, balanced, exact, get_balancer, lower_bound, lpt, quick_lower_bound
+from reorder.plan.balancers import BALANCERS, balanced, exact, get_balancer, lower_bound, lpt, quick_lower_bound
 from spec import reference as ref
 
 def needs_scipy(fn):  # scipy is part of the `test` extra: exact() must be tested, never skipped
@@ -315,7 +315,7 @@ def test_exact_small_golden():
 def test_partition_loads_are_the_left_to_right_row_sums(gm, seed):
     """Every rank must compute bit-identical plans: the vectorised partition loads equal the plain
     left-to-right (cumsum) row sums, bit for bit."""
-    from reorder.balancers import _partition_max, _partitions
+    from reorder.plan.balancers import _partition_max, _partitions
     groups, m = gm
     rng = np.random.default_rng(seed)
     c = rng.random((3, groups * m)) * rng.choice([1.0, 1e6, 1e-3])
@@ -329,7 +329,7 @@ def test_partition_loads_are_the_left_to_right_row_sums(gm, seed):
 def test_filtered_two_group_resplit_finds_every_optimal_partition(m, kind, seed):
     """The exact two-group re-split first filters partitions by approximate loads: it must still
     return exactly the partitions of minimal max load as `_partition_max` computes them, in order."""
-    from reorder.balancers import _best_partitions, _partition_max
+    from reorder.plan.balancers import _best_partitions, _partition_max
     rng = np.random.default_rng(seed)
     n = 2 * m
     c = [rng.choice([0.1, 0.2, 0.3, 0.7, 1.1, 2.2], n),          # float sums that round differently

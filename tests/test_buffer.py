@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from reorder import CostModel, ReorderError, WindowExchanger
-from reorder import synthetic as syn
-from reorder.buffer import ReorderingBuffer
-from reorder.grid import Grid
+from reorder.cli import synthetic as syn
+from reorder.runtime.buffer import ReorderingBuffer
+from reorder.plan.grid import Grid
 
 
 @pytest.mark.parametrize("ahead", [1, 2])

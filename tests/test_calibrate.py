@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from reorder import synthetic as syn
-from reorder.calibrate import FEATURES, fit_cost_weights, micro_batch_features
-from reorder.cost import CostModel
+from reorder.cli import synthetic as syn
+from reorder.integrations.calibrate import FEATURES, fit_cost_weights, micro_batch_features
+from reorder.batch.cost import CostModel
 
 
 def _features(n, seed=0):

@@ -107,7 +107,7 @@ def test_simulate_csv_costs_exact(tmp_path):
     assert "10 micro-batches of B=6" in proc.stdout and "4 trailing samples dropped" in proc.stdout
     data = json.loads((tmp_path / "sim.json").read_text())
     assert data["input"] == dict(source="costs.csv", field="cost", samples=64, used=60, dropped=4)
-    from reorder.balancers import BALANCERS
+    from reorder.plan.balancers import BALANCERS
 
     assert set(data["balancers"]) == set(BALANCERS) and {"lpt", "identity"} <= set(data["balancers"])
     lpt, ident = data["balancers"]["lpt"]["model"], data["balancers"]["identity"]["model"]
@@ -221,7 +221,7 @@ def test_usage_errors_in_process(tmp_path, monkeypatch, capsys):
 
 
 def test_matplotlib_is_imported_lazily(tmp_path):
-    code = ("import sys; from reorder.__main__ import main; import reorder.demo, reorder.simulate, reorder.plots; "
+    code = ("import sys; from reorder.__main__ import main; import reorder.cli.demo, reorder.cli.simulate, reorder.cli.plots; "
             "assert main(['simulate', '--mix', 'small', '--samples', '64']) == 0; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported without --plot'")
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -244,14 +244,14 @@ def test_matplotlib_is_imported_lazily(tmp_path):
     (1000, 1000, dict(min_pixels=2000 * 2000, max_pixels=4000 * 4000), (2016, 2016), 144 * 144),
 ])
 def test_qwen_resize(w, h, kw, size, patches):
-    from reorder.qwen_resize import image_patches, smart_resize
+    from reorder.integrations.qwen_resize import image_patches, smart_resize
 
     assert smart_resize(h, w, **kw) == size
     assert image_patches(w, h, **kw) == patches
 
 
 def test_qwen_resize_rejects():
-    from reorder.qwen_resize import smart_resize
+    from reorder.integrations.qwen_resize import smart_resize
 
     with pytest.raises(ValueError, match="aspect ratio 201 > 200"):
         smart_resize(10, 2010)
@@ -268,7 +268,7 @@ def _raise_on_rank_1(rank, world):
 
 
 def test_run_processes_reports_the_failing_rank():
-    from reorder.multiproc import ProcessesFailed, run_processes
+    from reorder.cli.processes import ProcessesFailed, run_processes
 
     assert run_processes(lambda rank, world: (rank, world), 2) == (0, 2)
     with pytest.raises(ProcessesFailed, match=r"^rank 1: ValueError: boom on rank 1") as e:

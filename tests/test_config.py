@@ -8,8 +8,8 @@ import expecttest
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from reorder.balancers import BALANCERS
-from reorder.config import ReorderConfig, add_reorder_args, check_model_layout
+from reorder.plan.balancers import BALANCERS
+from reorder.integrations.config import ReorderConfig, add_reorder_args, check_model_layout
 
 UPSTREAM = {
     "megatron_mimo_scalable_dp": False,
@@ -131,7 +131,7 @@ class TestMessages(expecttest.TestCase):
 def test_shadow_flag_round_trip():
     import argparse
 
-    from reorder.config import ReorderConfig, add_reorder_args
+    from reorder.integrations.config import ReorderConfig, add_reorder_args
     p = argparse.ArgumentParser()
     add_reorder_args(p)
     assert ReorderConfig.from_args(p.parse_args(["--intra-microbatch-reorder", "--reorder-shadow"])).shadow is True

@@ -2,8 +2,8 @@
 
 import pytest
 
-from reorder.collectives import CollectiveError
-from reorder.dist import _wait
+from reorder.exchange.collectives import CollectiveError
+from reorder.exchange.dist import _wait
 
 
 class _Event:

@@ -7,8 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reorder import CostModel, Grid, ReorderError, WindowExchanger, harness, run_emulated
-from reorder import synthetic as syn
+from reorder import CostModel, Grid, ReorderError, WindowExchanger, run_emulated
+
+from support import harness
+from reorder.cli import synthetic as syn
 from spec.samples import per_sample_bytes
 
 LAYOUTS = [(1, 2), (2, 4), (2, 3), (1, 4), (4, 8), (3, 6)]
@@ -107,7 +109,7 @@ def test_dp1_local_permutation():
 
 def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
     batches = windows_for(11, 8, 3)
-    from reorder import plan
+    from reorder.plan import orders as plan
 
     # slot 0 gains (max group load 10 -> 6); slot 1 is uniform: nothing to gain, keep natural order
     costs = np.array([[5.0, 5, 1, 1, 2, 2, 3, 3], [1.0] * 8])
@@ -128,7 +130,7 @@ def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
 
 
 def test_min_saving_gate_keeps_slots_that_save_too_little():
-    from reorder import plan
+    from reorder.plan import orders as plan
 
     # slot 0 saves 4 in max group load (10 -> 6), slot 1 saves 2 (4 -> 2), slot 2 nothing
     costs = np.array([[5.0, 5, 1, 1, 2, 2, 3, 3], [2.0, 2, 1, 1, 1, 1, 0, 0], [1.0] * 8])
@@ -341,7 +343,7 @@ def test_gate_backoff_skips_the_same_windows_on_every_rank_and_module(seed, max_
     """Vision dp 1 and language dp 2 stream the same windows with the gate backoff: both skip exactly
     the windows spec.reference.gate_backoff_skips names (from what the gate would do to each window),
     skipped windows keep the natural order, and every module derives the same orders (I2)."""
-    from reorder import plan
+    from reorder.plan import orders as plan
     from spec import invariants, reference
 
     batch, groups = 4, 2
@@ -418,7 +420,7 @@ def test_a_skipped_window_raises_a_source_error_on_its_own_rank_and_ends_locally
 def test_a_skipped_window_moves_only_the_per_sample_fields_and_keeps_the_input_intact():
     """`_fields_to` (skipped windows): the per-sample fields at the given paths go to the device, the
     rest (global metadata) stays where it is, and the caller's dicts are not modified."""
-    from reorder.exchange import _fields_to
+    from reorder.exchange.exchanger import _fields_to
 
     g = windows_for(6, 4, 1)[0]
     g["global_scale"] = torch.ones(2)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reorder import CostModel, Grid, canonical_grid, plan_orders, rank_loads
-from reorder.balancers import lpt
+from reorder.plan.balancers import lpt
 from spec import reference as ref
 
 
@@ -163,7 +163,7 @@ def test_quadratic_cost_golden():
 def test_planning_only_slots_that_can_pay_changes_nothing(w, shape, data, min_gain, min_saving):
     """plan_gated_orders skips planning slots whose lower bound already fails the gate: same result
     as planning every slot and then gating."""
-    from reorder.plan import gate_orders, plan_gated_orders
+    from reorder.plan.orders import gate_orders, plan_gated_orders
     groups, m = shape
     costs = np.array(data.draw(st.lists(st.lists(st.integers(0, 30), min_size=groups * m, max_size=groups * m),
                                         min_size=w, max_size=w)), dtype=np.float64)

@@ -1,4 +1,4 @@
-"""Megatron adapter (reorder.megatron) on CPU without megatron: DP groups from HyperCommGrid-like
+"""Megatron adapter (reorder.integrations.megatron) on CPU without megatron: DP groups from HyperCommGrid-like
 objects and plain lists, per-rank field selection, `wrap` rejections, and `wrap` end to end on a
 1-process and a 2-process Gloo world (fork start) against the reference LPT plan."""
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from reorder import megatron as rm
-from reorder import synthetic as syn
-from reorder.config import ReorderConfig
-from reorder.cost import CostModel
+from reorder.integrations import megatron as rm
+from reorder.cli import synthetic as syn
+from reorder.integrations.config import ReorderConfig
+from reorder.batch.cost import CostModel
 from spec import reference as ref
 
 ON = ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=True,
@@ -180,12 +180,12 @@ def test_wrap_rejections(grids, kw, msg):
 def test_module_import_needs_no_megatron():
     import importlib
     import subprocess
-    code = ("import sys; sys.modules['megatron'] = None; import reorder.megatron as m; "
+    code = ("import sys; sys.modules['megatron'] = None; import reorder.integrations.megatron as m; "
             "assert 'megatron.core' not in sys.modules; print(m.dp_groups_from_grid([[0, 1]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0 and out.stdout.strip() == "[[0, 1]]", out.stderr
-    assert importlib.util.find_spec("reorder.megatron") is not None
+    assert importlib.util.find_spec("reorder.integrations.megatron") is not None
 
 
 # ---- wrap end to end on Gloo -------------------------------------------------------------------
@@ -224,9 +224,9 @@ def _rank_main(rank, world, grids, cfg_kwargs):
 
 
 def _launch(world, grids, **cfg_kwargs):
-    """wrap() on `world` forked Gloo ranks (reorder.multiproc: bounded, one thread per child);
+    """wrap() on `world` forked Gloo ranks (reorder.cli.processes: bounded, one thread per child);
     the balancer is the reference-checkable "lpt"."""
-    from reorder.multiproc import run_processes
+    from reorder.cli.processes import run_processes
 
     return run_processes(_rank_main, world, (grids, dict(cfg_kwargs, balancer="lpt")), timeout=120)
 

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reorder import packing
-from reorder import synthetic as syn
-from reorder.layout import LayoutError, Shard, describe, rebuild
+from reorder.batch import packing
+from reorder.cli import synthetic as syn
+from reorder.batch.layout import LayoutError, Shard, describe, rebuild
 from spec.samples import per_sample_bytes
 
 DTYPES = [d for d in (getattr(torch, n, None) for n in (

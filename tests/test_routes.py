@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reorder.routes import window_routes
+from reorder.plan.routes import window_routes
 from spec import reference as ref
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from reorder.sampler import CanonicalBatchSampler
+from reorder.integrations.sampler import CanonicalBatchSampler
 
 MODES = [("single", True), ("cyclic", True), ("cyclic", False)]  # (mode, data_sharding)
 GRID_PAIRS = [(1, 2), (2, 4), (2, 3)]

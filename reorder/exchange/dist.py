@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reorder.collectives import CollectiveError
-from reorder.grid import Grid, canonical_grid
+from reorder.exchange.collectives import CollectiveError
+from reorder.plan.grid import Grid, canonical_grid
 
 
 class TorchCollectives:

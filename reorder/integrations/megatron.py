@@ -7,7 +7,7 @@ testable without megatron.
 
 Typical use in a MIMO training script (every rank, after the grids exist, before the first step)::
 
-    from reorder import megatron as rm
+    from reorder.integrations import megatron as rm
     cfg = ReorderConfig.from_object(dataset_config)            # the megatron_mimo_* fields
     fields = rm.fields_to_load(my_module, my_pp_stage, cfg)     # what this rank's loader must read
     it = rm.wrap(it, config=cfg, module=my_module, grids=module_to_grid_map,
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from reorder.config import ReorderConfig, check_model_layout
+from reorder.integrations.config import ReorderConfig, check_model_layout
 
 LANGUAGE = "language"  # megatron.core.models.mimo.config.role.MIMO_LANGUAGE_MODULE_KEY
 
@@ -228,10 +228,10 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     import torch
     import torch.distributed as dist
 
-    from reorder.buffer import ReorderingBuffer
-    from reorder.cost import CostModel
-    from reorder.dist import build_groups
-    from reorder.exchange import WindowExchanger
+    from reorder.runtime.buffer import ReorderingBuffer
+    from reorder.batch.cost import CostModel
+    from reorder.exchange.dist import build_groups
+    from reorder.exchange.exchanger import WindowExchanger
 
     groups = check_layout(grids, pp_sizes=pp_sizes, fixed_width_padding=fixed_width_padding,
                           language_module=language_module)

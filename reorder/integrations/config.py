@@ -89,7 +89,7 @@ class ReorderConfig:
                              "gate kept them natural; set min_gain or min_saving too")
         if not isinstance(self.balancer, str):
             raise ValueError(f"balancer={self.balancer!r}: must be a balancer name (str)")
-        from reorder.balancers import get_balancer
+        from reorder.plan.balancers import get_balancer
         get_balancer(self.balancer)  # raises ValueError naming balancer= and the known names
 
     # -- convenience ---------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class _EnableReorder(argparse.Action):
 
 def add_reorder_args(parser: argparse.ArgumentParser):
     """Add the reorder flags to `parser` (dests = ReorderConfig field names); returns the group."""
-    from reorder.balancers import BALANCERS
+    from reorder.plan.balancers import BALANCERS
 
     d = ReorderConfig()
     g = parser.add_argument_group("intra-micro-batch reorder")

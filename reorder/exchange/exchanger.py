@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reorder import packing
-from reorder.collectives import Collectives
-from reorder.cost import CostModel
-from reorder.grid import Grid, check_global_batch
-from reorder.layout import LayoutError, describe, field_at, grid_of, rebuild
-from reorder.plan import plan_gated_orders, plan_orders, rank_loads
-from reorder.routes import window_routes
+from reorder.batch import packing
+from reorder.exchange.collectives import Collectives
+from reorder.batch.cost import CostModel
+from reorder.plan.grid import Grid, check_global_batch
+from reorder.batch.layout import LayoutError, describe, field_at, grid_of, rebuild
+from reorder.plan.orders import plan_gated_orders, plan_orders, rank_loads
+from reorder.plan.routes import window_routes
 
 MAGIC = 0x52454F52  # "REOR"
 HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",

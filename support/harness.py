@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reorder import checks
-from reorder import synthetic as syn
-from reorder.collectives import run_emulated
-from reorder.cost import CostModel
-from reorder.exchange import WindowExchanger
-from reorder.grid import Grid, canonical_grid
+from support import checks
+from reorder.cli import synthetic as syn
+from reorder.exchange.collectives import run_emulated
+from reorder.batch.cost import CostModel
+from reorder.exchange.exchanger import WindowExchanger
+from reorder.plan.grid import Grid, canonical_grid
 
 MODULE_FIELDS = {"vision": syn.VISION_FIELDS, "language": syn.LANGUAGE_FIELDS}
 

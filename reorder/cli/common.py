@@ -47,8 +47,8 @@ def _plain(x):
 
 
 def make_plot(fn, path: str, *args) -> None:
-    """Draw with reorder.plots.<fn>; a missing matplotlib or an unwritable path is a CliError."""
-    from reorder import plots
+    """Draw with reorder.cli.plots.<fn>; a missing matplotlib or an unwritable path is a CliError."""
+    from reorder.cli import plots
 
     try:
         getattr(plots, fn)(path, *args)

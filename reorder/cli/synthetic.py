@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reorder import packing
-from reorder.layout import describe, rebuild
+from reorder.batch import packing
+from reorder.batch.layout import describe, rebuild
 
 IMAGE_TOKEN = 248056
 VISION_START = 248053

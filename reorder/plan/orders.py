@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from reorder.balancers import get_balancer, lower_bound, quick_lower_bound
-from reorder.grid import check_global_batch
+from reorder.plan.balancers import get_balancer, lower_bound, quick_lower_bound
+from reorder.plan.grid import check_global_batch
 
 
 def plan_orders(costs: np.ndarray, groups: int, balancer: str = "lpt") -> np.ndarray:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reorder.cli_util import CliError, check_plot_path, human_stream, layout_from_args, make_plot, write_json
+from reorder.cli.common import CliError, check_plot_path, human_stream, layout_from_args, make_plot, write_json
 
 DESCRIPTION = """\
 Replay per-sample costs micro-batch by micro-batch and report, per balancer and module, the predicted
@@ -43,8 +43,8 @@ _SIZE = re.compile(r"^\s*(\d+)\s*[xX\u00d7]\s*(\d+)\s*$")
 
 
 def add_args(p: argparse.ArgumentParser):
-    from reorder import synthetic as syn
-    from reorder import qwen_resize as qr
+    from reorder.cli import synthetic as syn
+    from reorder.integrations import qwen_resize as qr
 
     p.add_argument("input", nargs="?", metavar="FILE", help="per-sample CSV or JSON lines file (see above)")
     p.add_argument("--mix", choices=sorted(syn.SIZE_MIXES), help="synthetic image-size mix instead of a file")
@@ -74,7 +74,7 @@ def add_args(p: argparse.ArgumentParser):
 
 
 def _balancer_names():
-    from reorder.balancers import BALANCERS
+    from reorder.plan.balancers import BALANCERS
 
     first = [n for n in ("identity", "lpt") if n in BALANCERS]
     return first + sorted(n for n in BALANCERS if n not in first)
@@ -170,7 +170,7 @@ class _Reader:
         raise CliError(f"{where}: field '{field}' = {_show(value)} {why}")
 
     def patches_of(self, sizes, line, field, value) -> int:
-        from reorder.qwen_resize import image_patches
+        from reorder.integrations.qwen_resize import image_patches
 
         total = 0
         for w, h in sizes:
@@ -307,9 +307,9 @@ def load_file(path: str, args) -> Samples:
 
 
 def synthetic_samples(mix: str, n: int, seed: int) -> Samples:
-    """n samples of a named size mix (reorder.synthetic.SIZE_MIXES): 20% text only, else 1-4 images;
+    """n samples of a named size mix (reorder.cli.synthetic.SIZE_MIXES): 20% text only, else 1-4 images;
     tokens = 32-1024 text tokens + image placeholders (patches / 4) + 2 markers per image."""
-    from reorder import synthetic as syn
+    from reorder.cli import synthetic as syn
 
     rng = np.random.default_rng(seed)
     k = np.where(rng.random(n) < 0.2, 0, rng.integers(1, 5, size=n))
@@ -326,7 +326,7 @@ def synthetic_samples(mix: str, n: int, seed: int) -> Samples:
 
 
 def sample_costs(samples: Samples, args) -> np.ndarray:
-    from reorder.cost import CostModel
+    from reorder.batch.cost import CostModel
 
     if samples.field == "cost":
         if args.language_weight or args.encoder_weight != 1.0:
@@ -347,9 +347,9 @@ def sample_costs(samples: Samples, args) -> np.ndarray:
 
 def _bound(costs: np.ndarray, d: int) -> np.ndarray:
     """[M] lower bound of the max per-rank cost of any equal-count split over d ranks:
-    reorder.balancers.lower_bound per micro-batch where available, else the mean and the largest
+    reorder.plan.balancers.lower_bound per micro-batch where available, else the mean and the largest
     sample plus the b-1 smallest others on its rank."""
-    from reorder import balancers
+    from reorder.plan import balancers
 
     b = costs.shape[1] // d
     s = np.sort(costs, axis=1)
@@ -367,9 +367,9 @@ def _spreads(loads: np.ndarray) -> np.ndarray:
 
 def replay(costs: np.ndarray, dps: dict, micro_batch: int, balancers: list) -> dict:
     """Every balancer on costs [M, B] (one row per global micro-batch) for each module's DP size."""
-    from reorder.exchange import orders_moved
-    from reorder.grid import canonical_grid
-    from reorder.plan import plan_orders, rank_loads
+    from reorder.exchange.exchanger import orders_moved
+    from reorder.plan.grid import canonical_grid
+    from reorder.plan.orders import plan_orders, rank_loads
 
     groups = canonical_grid(list(dps.values()))
     before = {m: rank_loads(costs, None, d) for m, d in dps.items()}
@@ -415,7 +415,7 @@ def _validate(args):
             raise CliError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: must be >= 1")
     if args.min_pixels > args.max_pixels:
         raise CliError(f"--min-pixels {args.min_pixels} exceeds --max-pixels {args.max_pixels}")
-    from reorder.balancers import BALANCERS
+    from reorder.plan.balancers import BALANCERS
 
     names = args.balancer or _balancer_names()
     unknown = [n for n in names if n not in BALANCERS]
@@ -426,7 +426,7 @@ def _validate(args):
 
 
 def run(args) -> dict:
-    from reorder.grid import canonical_grid
+    from reorder.plan.grid import canonical_grid
 
     balancers = _validate(args)
     dps = layout_from_args(args)

@@ -8,7 +8,7 @@ reads). After each window every rank checks its own output (I3, I4 its rank, I5 
 the spec's per-sample view of the natural batch), then one world-wide `all_gather_object` shares
 sample ids, orders and figures, and every rank runs the same cross-module checks (I1, I2, I4 bridge
 alignment, I6, I7, I8 and, for "lpt", equality with the spec's reference), so all ranks stop
-together on a violation. `--emulated` runs the old in-process path (threads, reorder.harness).
+together on a violation. `--emulated` runs the old in-process path (threads, support.harness).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from collections import deque
 
 import numpy as np
 
-from reorder.cli_util import CliError, check_plot_path, human_stream, make_plot, write_json
+from reorder.cli.common import CliError, check_plot_path, human_stream, make_plot, write_json
 
 MODULES = ("vision", "language")
 
 
 def add_args(p: argparse.ArgumentParser):
-    from reorder import synthetic as syn
-    from reorder.balancers import BALANCERS
-    from reorder.config import ReorderConfig
+    from reorder.cli import synthetic as syn
+    from reorder.plan.balancers import BALANCERS
+    from reorder.integrations.config import ReorderConfig
 
     p.add_argument("--vision-dp", type=int, default=2, help="vision encoder DP size (default 2)")
     p.add_argument("--language-dp", type=int, default=4, help="language model DP size (default 4)")
@@ -61,7 +61,7 @@ def add_args(p: argparse.ArgumentParser):
 
 
 def _validate(args) -> dict:
-    from reorder.grid import canonical_grid
+    from reorder.plan.grid import canonical_grid
 
     dps = {"vision": args.vision_dp, "language": args.language_dp}
     for name, d in dps.items():
@@ -90,14 +90,14 @@ def _validate(args) -> dict:
 
 
 def _cost(language_weight: float):
-    from reorder.cost import CostModel
+    from reorder.batch.cost import CostModel
 
     return CostModel(encoder_weight=1.0, language_weight=language_weight)
 
 
 def _stream(cfg: dict):
     """The seeded global micro-batch stream, identical on every rank."""
-    from reorder import synthetic as syn
+    from reorder.cli import synthetic as syn
 
     rng = np.random.default_rng(cfg["seed"])
     B = cfg["micro_batch"]
@@ -108,7 +108,7 @@ def _stream(cfg: dict):
 
 def _module_costs(global_batches, module: str, cost) -> np.ndarray:
     """[W, B] costs computed from the fields `module`'s ranks load (I1 compares them across modules)."""
-    from reorder.harness import module_fields
+    from support.harness import module_fields
 
     fields = module_fields(module, cost) or ("input_ids", "attention_mask")
     rows = []
@@ -120,7 +120,7 @@ def _module_costs(global_batches, module: str, cost) -> np.ndarray:
 
 def _check_world(global_batches, held, orders, costs, dps, *, groups, balancer):
     """Cross-module invariants on sample ids: held[m][rank][slot], orders[m][rank] [W, B]."""
-    from reorder import checks
+    from support import checks
     from spec import invariants as inv
 
     checks.check_modules(global_batches, held, orders, costs, dps, groups=groups, balancer=balancer)
@@ -169,12 +169,12 @@ def _rank_main(rank: int, world: int, cfg: dict):
     """One process of the demo world: ranks [0, dv) are vision, [dv, dv + dl) language."""
     import torch.distributed as dist
 
-    from reorder import synthetic as syn
-    from reorder.buffer import ReorderingBuffer
-    from reorder.dist import build_groups
-    from reorder.exchange import WindowExchanger
-    from reorder import checks
-    from reorder.harness import module_fields
+    from reorder.cli import synthetic as syn
+    from reorder.runtime.buffer import ReorderingBuffer
+    from reorder.exchange.dist import build_groups
+    from reorder.exchange.exchanger import WindowExchanger
+    from support import checks
+    from support.harness import module_fields
 
     out = sys.stderr if cfg["stderr"] else sys.stdout
     dv, dl, B, W = cfg["vision_dp"], cfg["language_dp"], cfg["micro_batch"], cfg["window"]
@@ -248,7 +248,7 @@ def _rank_main(rank: int, world: int, cfg: dict):
 
 
 def _run_processes(args, dps, out) -> dict:
-    from reorder.multiproc import ProcessesFailed, run_processes
+    from reorder.cli.processes import ProcessesFailed, run_processes
 
     cfg = {k: getattr(args, k) for k in ("vision_dp", "language_dp", "micro_batch", "window", "windows", "balancer",
                                          "overlap", "seq_len", "features", "mix", "language_weight", "seed")}
@@ -266,7 +266,7 @@ def _run_processes(args, dps, out) -> dict:
 
 
 def _run_emulated(args, dps, out) -> dict:
-    from reorder import harness
+    from support import harness
 
     cost = _cost(args.language_weight)
     cfg = {k: getattr(args, k) for k in ("micro_batch", "window", "windows", "seq_len", "features", "mix", "seed")}
@@ -333,7 +333,7 @@ def print_tables(summary: dict, micro_batches: int, out) -> None:
 def run(args) -> dict:
     dps = _validate(args)
     out = human_stream(args)
-    from reorder.grid import canonical_grid
+    from reorder.plan.grid import canonical_grid
 
     groups = canonical_grid(list(dps.values()))
     mode = "emulated ranks (threads)" if args.emulated else \

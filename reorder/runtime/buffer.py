@@ -29,8 +29,8 @@ from collections import deque
 
 import torch
 
-from reorder.exchange import WindowExchanger, WindowReport
-from reorder.layout import tensors
+from reorder.exchange.exchanger import WindowExchanger, WindowReport
+from reorder.batch.layout import tensors
 
 log = logging.getLogger("reorder")
 _END = object()

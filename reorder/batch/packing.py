@@ -23,7 +23,7 @@ import pickle
 import numpy as np
 import torch
 
-from reorder.layout import BatchLayout, DenseField, Shard
+from reorder.batch.layout import BatchLayout, DenseField, Shard
 
 ALIGN = 16
 

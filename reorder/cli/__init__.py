@@ -1,0 +1,1 @@
+"""`python -m reorder`: the demo (real processes, synthetic data) and the offline simulator."""

@@ -1,0 +1,336 @@
+"""Byte-segment copy executors: carry out a segment table (a "move list") between buffers.
+
+A `Segments` table is pure data, five int64 numpy arrays of one length n: segment i copies
+`nbytes[i]` bytes from byte offset `src_off[i]` of `sources[src_buf[i]]` to byte offset
+`dst_off[i]` of `destinations[dst_buf[i]]`. Buffers are contiguous tensors of any dtype, read and
+written as raw bytes, so every dtype travels bit for bit. Contract of every executor's `run`:
+segments never overlap in the destinations, destinations do not alias the bytes being read,
+bytes of the destinations outside the segments are left untouched, zero-byte segments are skipped,
+and every segment lies inside its buffers (checked before anything is copied; `ValueError`).
+
+Executors:
+* `TorchExecutor`: any device, torch ops only. Segments of many words are one `copy_` of narrow
+  views each; the small ones are gathered per (source, destination, word width) group by one
+  `index_select` + `index_copy_` through a word index built with numpy (no Python call per segment).
+* `TritonExecutor`: CUDA destinations, CUDA or pinned host sources; one host-to-device table copy
+  and one kernel launch per `run`, whatever the number of segments. Triton is imported only when
+  the executor is constructed, so this module imports without it.
+* `select_executor(device)`: Triton on CUDA when it imports, torch otherwise; logs which and why once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import torch
+
+log = logging.getLogger("reorder")
+
+FIELDS = ("src_buf", "src_off", "dst_buf", "dst_off", "nbytes")
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A segment table: five one-dimensional int64 arrays of equal length, all entries >= 0
+    (validated on construction; the error names the field and the offending value). Treat the
+    arrays as immutable. Zero-byte segments are allowed and copy nothing."""
+
+    src_buf: np.ndarray
+    src_off: np.ndarray
+    dst_buf: np.ndarray
+    dst_off: np.ndarray
+    nbytes: np.ndarray
+
+    def __post_init__(self):
+        n = None
+        for f in FIELDS:
+            a = getattr(self, f)
+            if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1:
+                what = f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise ValueError(f"Segments.{f} must be a one-dimensional int64 numpy array, got {what}")
+            if n is not None and len(a) != n:
+                raise ValueError(f"Segments.{f} has length {len(a)}, src_buf has length {n}")
+            n = len(a)
+            if n and a.min() < 0:
+                i = int(np.argmax(a < 0))
+                raise ValueError(f"Segments.{f}[{i}] = {int(a[i])} is negative")
+
+    @classmethod
+    def of(cls, src_buf, src_off, dst_buf, dst_off, nbytes) -> "Segments":
+        """A table from any integer sequences (converted to int64 arrays; non-integers rejected)."""
+        arrays = {}
+        for f, v in zip(FIELDS, (src_buf, src_off, dst_buf, dst_off, nbytes)):
+            a = np.asarray(v)
+            if a.size and not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"Segments.{f} must hold integers, got dtype {a.dtype}")
+            arrays[f] = a.astype(np.int64).reshape(-1) if a.size else np.zeros(0, np.int64)
+        return cls(**arrays)
+
+    @classmethod
+    def empty(cls) -> "Segments":
+        return cls(*(np.zeros(0, np.int64) for _ in FIELDS))
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def take(self, index) -> "Segments":
+        """The segments at `index` (an integer index array or a boolean mask), in that order."""
+        return Segments(*(getattr(self, f)[index] for f in FIELDS))
+
+    def merged(self) -> "Segments":
+        """The same copy as fewer segments: zero-byte segments dropped, the rest sorted by destination
+        (dst_buf, dst_off) and every run of segments contiguous in both the source and the
+        destination (same buffers, each starting where the previous one ends) fused into one.
+        Copy order is immaterial since destinations never overlap. Vectorized; O(n log n)."""
+        s = self.take(self.nbytes > 0)
+        s = s.take(np.lexsort((s.dst_off, s.dst_buf)))
+        if len(s) < 2:
+            return s
+        joins = ((s.src_buf[1:] == s.src_buf[:-1]) & (s.dst_buf[1:] == s.dst_buf[:-1])
+                 & (s.src_off[:-1] + s.nbytes[:-1] == s.src_off[1:])
+                 & (s.dst_off[:-1] + s.nbytes[:-1] == s.dst_off[1:]))
+        starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+        head = s.take(starts)
+        return Segments(head.src_buf, head.src_off, head.dst_buf, head.dst_off,
+                        np.add.reduceat(s.nbytes, starts).astype(np.int64))
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 view (shares storage; no copy)."""
+    if not t.is_contiguous():
+        raise ValueError(f"buffers must be contiguous, got a tensor of shape {tuple(t.shape)} "
+                         f"and strides {t.stride()}")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def buffer_sizes(buffers: Sequence[torch.Tensor]) -> np.ndarray:
+    return np.array([t.numel() * t.element_size() for t in buffers], dtype=np.int64)
+
+
+def check_bounds(segments: Segments, sources: Sequence[torch.Tensor],
+                 destinations: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError unless every segment names existing buffers and lies inside them, and every
+    buffer is contiguous. Vectorized over segments; one pass over the buffers."""
+    for side, bufs, which, off in (("src", sources, segments.src_buf, segments.src_off),
+                                   ("dst", destinations, segments.dst_buf, segments.dst_off)):
+        for t in bufs:
+            if not t.is_contiguous():
+                raise ValueError(f"{side} buffers must be contiguous, got shape {tuple(t.shape)} "
+                                 f"strides {t.stride()}")
+        if not len(segments):
+            continue
+        bad = which >= len(bufs)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"Segments.{side}_buf[{i}] = {int(which[i])}: only {len(bufs)} {side} buffers")
+        sizes = buffer_sizes(bufs)
+        over = off + segments.nbytes > sizes[which]
+        if over.any():
+            i = int(np.argmax(over))
+            raise ValueError(f"segment {i}: Segments.{side}_off[{i}] = {int(off[i])} + nbytes "
+                             f"{int(segments.nbytes[i])} exceeds {side} buffer {int(which[i])} of "
+                             f"{int(sizes[which[i]])} bytes")
+
+
+def word_width(*values) -> np.ndarray:
+    """Per element: the widest word in (8, 4, 2, 1) bytes dividing all the given integers/arrays."""
+    acc = np.zeros(np.broadcast(*values).shape, dtype=np.int64)
+    for v in values:
+        acc = acc | np.asarray(v, dtype=np.int64)
+    acc = acc | 8  # caps the width at 8 bytes
+    return (acc & -acc).astype(np.int64)  # lowest set bit
+
+
+_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Carries out a segment table; `run` follows the contract in the module docstring and returns
+    once the copy is enqueued (on CUDA: on the current stream, ordered with later work there)."""
+
+    name: str
+
+    def run(self, segments: Segments, sources: list[torch.Tensor],
+            destinations: list[torch.Tensor]) -> None: ...
+
+
+class TorchExecutor:
+    """Torch-only executor for any device (also the CUDA fallback, where a source may be a host
+    tensor). A segment of at least `gather_below_words` words (its natural width: the widest word
+    dividing its offsets, length and buffer addresses) is one `copy_` of narrow uint8 views, which
+    is a memcpy; smaller ones are gathered per (source, destination, width) group by one
+    `index_select` + `index_copy_` of that word type. On 2 CPU cores a Python-level copy_ costs
+    about 4 us and a gathered word about 2-5 ns (index build included), so ~512 words is where
+    they break even; on CUDA each copy_ is a launch, so a larger threshold may pay."""
+
+    name = "torch"
+
+    def __init__(self, gather_below_words: int = 512):
+        self.gather_below_words = int(gather_below_words)
+
+    def run(self, segments: Segments, sources: list[torch.Tensor],
+            destinations: list[torch.Tensor]) -> None:
+        check_bounds(segments, sources, destinations)
+        s = segments.take(segments.nbytes > 0)
+        if not len(s):
+            return
+        src_ptr = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+        dst_ptr = np.array([t.data_ptr() for t in destinations], dtype=np.int64)
+        width = word_width(s.src_off, s.dst_off, s.nbytes, src_ptr[s.src_buf], dst_ptr[s.dst_buf])
+        small = s.nbytes // width < self.gather_below_words
+        src_bytes = [byte_view(t) for t in sources]
+        dst_bytes = [byte_view(t) for t in destinations]
+        self._copy_big(s.take(~small), src_bytes, dst_bytes)
+        self._gather_small(s.take(small), width[small], src_bytes, dst_bytes)
+
+    @staticmethod
+    def _copy_big(s: Segments, src_bytes, dst_bytes) -> None:
+        for sb, so, db, do, n in zip(s.src_buf.tolist(), s.src_off.tolist(), s.dst_buf.tolist(),
+                                     s.dst_off.tolist(), s.nbytes.tolist()):
+            dst_bytes[db].narrow(0, do, n).copy_(src_bytes[sb].narrow(0, so, n))
+
+    @staticmethod
+    def _gather_small(s: Segments, width: np.ndarray, src_bytes, dst_bytes) -> None:
+        """One index_select + index_copy_ per (source, destination, width) group."""
+        if not len(s):
+            return
+        key = (s.src_buf * len(dst_bytes) + s.dst_buf) * 16 + width
+        order = np.argsort(key, kind="stable")
+        key_sorted = key[order]
+        bounds = np.flatnonzero(np.concatenate([[True], key_sorted[1:] != key_sorted[:-1], [True]]))
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            g = s.take(order[lo:hi])
+            w = int(width[order[lo]])
+            src_idx, dst_idx = _word_indices(g.src_off // w, g.dst_off // w, g.nbytes // w)
+            src = _as_words(src_bytes[int(g.src_buf[0])], w)
+            dst = _as_words(dst_bytes[int(g.dst_buf[0])], w)
+            vals = src.index_select(0, torch.from_numpy(src_idx).to(src.device))
+            dst.index_copy_(0, torch.from_numpy(dst_idx).to(dst.device), vals.to(dst.device))
+
+
+def _word_indices(src_start: np.ndarray, dst_start: np.ndarray, count: np.ndarray):
+    """Source and destination word indices of every word of the segments, in segment order."""
+    total = int(count.sum())
+    first = np.cumsum(count) - count  # position of each segment's first word in the output
+    rel = np.arange(total, dtype=np.int64)
+    return rel + np.repeat(src_start - first, count), rel + np.repeat(dst_start - first, count)
+
+
+def _as_words(b: torch.Tensor, w: int) -> torch.Tensor:
+    """A uint8 view as words of w bytes (the trailing partial word cut off: no segment of this
+    width reaches into it, since its offset and length are multiples of w)."""
+    return b if w == 1 else b.narrow(0, 0, b.numel() // w * w).view(_WORD_DTYPES[w])
+
+
+def launch_table(segments: Segments, sources: Sequence[torch.Tensor],
+                 destinations: Sequence[torch.Tensor], block_bytes: int) -> tuple[np.ndarray, int, int]:
+    """The Triton kernel's input as one int64 array, and (n segments, n blocks): rows [n, 3] of
+    (absolute source address, absolute destination address, nbytes) for the non-empty segments,
+    then rows [blocks, 2] of (segment row, byte start in the segment): program p copies bytes
+    [start, min(start + block_bytes, nbytes)) of its segment, so the kernel needs no search."""
+    s = segments.take(segments.nbytes > 0)
+    src_ptr = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+    dst_ptr = np.array([t.data_ptr() for t in destinations], dtype=np.int64)
+    n = len(s)
+    per_seg = (s.nbytes + block_bytes - 1) // block_bytes
+    blocks = int(per_seg.sum())
+    out = np.empty(3 * n + 2 * blocks, dtype=np.int64)
+    seg = out[:3 * n].reshape(n, 3)
+    seg[:, 0] = src_ptr[s.src_buf] + s.src_off
+    seg[:, 1] = dst_ptr[s.dst_buf] + s.dst_off
+    seg[:, 2] = s.nbytes
+    blk = out[3 * n:].reshape(blocks, 2)
+    blk[:, 0] = np.repeat(np.arange(n, dtype=np.int64), per_seg)
+    first = np.cumsum(per_seg) - per_seg  # first block of each segment
+    blk[:, 1] = (np.arange(blocks, dtype=np.int64) - np.repeat(first, per_seg)) * block_bytes
+    return out, n, blocks
+
+
+class TritonExecutor:
+    """One Triton kernel launch per `run`. Destinations must be CUDA tensors on one device; sources
+    CUDA tensors on that device or pinned host tensors (device-addressable under unified addressing,
+    so their raw addresses are used as is). The table from `launch_table` is staged in pinned host
+    memory and copied to the device non-blocking on the current stream, then one program per block
+    of `block_bytes` copies its bytes with the widest word the relative alignment of its source and
+    destination allows (16-byte aligned int64 pairs, int32, int16, else bytes), head and tail bytes
+    apart. Under TRITON_INTERPRET=1 (set before construction) it runs on CPU tensors instead, through
+    Triton's interpreter: that is how the kernel is tested without a GPU."""
+
+    name = "triton"
+
+    def __init__(self, block_bytes: int = 16384, num_warps: int = 4):
+        if block_bytes < 64 or block_bytes & (block_bytes - 1):
+            raise ValueError(f"block_bytes must be a power of two >= 64, got {block_bytes}")
+        self.block_bytes = block_bytes
+        self.num_warps = num_warps
+        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        from reorder.exchange import triton_copy  # ImportError here when triton is missing
+
+        self._kernel = triton_copy.copy_segments
+
+    def run(self, segments: Segments, sources: list[torch.Tensor],
+            destinations: list[torch.Tensor]) -> None:
+        check_bounds(segments, sources, destinations)
+        device = self._check_devices(segments, sources, destinations)
+        table, n, blocks = launch_table(segments, sources, destinations, self.block_bytes)
+        if not blocks:
+            return
+        host = torch.from_numpy(table)
+        if not self.interpret:
+            # Fresh pinned staging each run: the caching host allocator does not hand the block out
+            # again until the non-blocking copy that reads it has completed.
+            staged = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
+            staged.copy_(host)
+            host = staged.to(device, non_blocking=True)
+        self._kernel[(blocks,)](host, host[3 * n:], BLOCK=self.block_bytes,
+                                num_warps=self.num_warps)
+
+    def _check_devices(self, segments: Segments, sources, destinations) -> torch.device:
+        """The device to launch on; ValueError for buffers the kernel cannot address."""
+        used_dst = np.unique(segments.dst_buf[segments.nbytes > 0]).tolist()
+        used_src = np.unique(segments.src_buf[segments.nbytes > 0]).tolist()
+        if not used_dst:
+            return torch.device("cpu")
+        device = destinations[used_dst[0]].device
+        want = "cpu" if self.interpret else "cuda"
+        for i in used_dst:
+            if destinations[i].device != device or device.type != want:
+                raise ValueError(f"TritonExecutor: destination {i} is on {destinations[i].device}; all "
+                                 f"destinations must be on one {want} device")
+        for i in used_src:
+            t = sources[i]
+            if t.device != device and not (t.device.type == "cpu" and not self.interpret and t.is_pinned()):
+                raise ValueError(f"TritonExecutor: source {i} is on {t.device} (pinned: "
+                                 f"{t.is_pinned() if t.device.type == 'cpu' else 'n/a'}); sources must be on "
+                                 f"{device} or pinned host memory")
+        return device
+
+
+_NOTICES: set[tuple[str, str]] = set()
+
+
+def select_executor(device) -> Executor:
+    """The executor for buffers on `device`: Triton for CUDA when triton imports, else torch. Logs
+    (logger "reorder", INFO) which one runs and why, once per distinct choice in this process."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            executor: Executor = TritonExecutor()
+            why = "CUDA device and triton importable: one kernel launch per segment table"
+        except ImportError as e:
+            executor, why = TorchExecutor(), f"triton not installed ({e})"
+    else:
+        executor, why = TorchExecutor(), f"{device.type} device (the Triton kernel needs CUDA)"
+    if (executor.name, why) not in _NOTICES:
+        _NOTICES.add((executor.name, why))
+        log.info("reorder: segment copies on %s run the %s executor: %s", device, executor.name, why)
+    return executor

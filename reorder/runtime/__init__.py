@@ -1,0 +1,1 @@
+"""The iterator a training loop holds: windows read, exchanged (optionally in the background) and served."""
