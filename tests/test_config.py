@@ -150,3 +150,18 @@ def test_shadow_flag_round_trip():
         ReorderConfig(overlap_ahead=0)
     with pytest.raises(ValueError, match="shadow='yes': must be a bool"):
         ReorderConfig(shadow="yes")
+
+
+def test_add_reorder_args_is_an_extra_args_provider():
+    """Megatron's parse_args runs `parser = extra_args_provider(parser)` and parses with the result."""
+    def megatron_parse_args(extra_args_provider, argv):
+        parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+        parser.add_argument("--micro-batch-size", type=int)  # one of Megatron's own flags
+        parser = extra_args_provider(parser)
+        return parser.parse_args(argv)
+
+    ns = megatron_parse_args(add_reorder_args, ["--micro-batch-size", "2", "--intra-microbatch-reorder"])
+    assert ns.micro_batch_size == 2 and ReorderConfig.from_args(ns).enabled
+    parser = argparse.ArgumentParser()
+    assert add_reorder_args(parser) is parser
+    assert "intra-micro-batch reorder" in [g.title for g in parser._action_groups]  # the flags' own help section

@@ -148,8 +148,10 @@ class _EnableReorder(argparse.Action):
         namespace.megatron_mimo_scalable_dp = True
 
 
-def add_reorder_args(parser: argparse.ArgumentParser):
-    """Add the reorder flags to `parser` (dests = ReorderConfig field names); returns the group."""
+def add_reorder_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the reorder flags to `parser` in their own help group (dests = ReorderConfig field names)
+    and return `parser`, so it can serve as Megatron's `extra_args_provider`
+    (`pretrain(..., extra_args_provider=add_reorder_args)`, which runs `parser = provider(parser)`)."""
     from reorder.plan.balancers import BALANCERS
 
     d = ReorderConfig()
@@ -192,7 +194,7 @@ def add_reorder_args(parser: argparse.ArgumentParser):
                         "min(2^(k-1), N) windows without planning or communicating (0: off)")
     g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
-    return g
+    return parser
 
 
 def check_model_layout(*, encoder_pp: int, encoder_dp: int, language_dp: int,
