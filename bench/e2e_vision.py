@@ -166,7 +166,7 @@ def main():
             buf = None
         else:
             gated = "+gate" in mode
-            ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=gate["cost"] if gated else cost,
+            ex = WindowExchanger(grid=groups.grid, micro_batch_size=B, cost=gate["cost"] if gated else cost,
                                  window_size=1, collectives=groups.side if mode.startswith("overlap") else groups.main,
                                  device=dev, min_saving=gate["min_saving"] if gated else None,
                                  gate_backoff=args.gate_backoff if mode.endswith("+backoff") else 0)

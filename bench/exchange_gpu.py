@@ -139,7 +139,7 @@ def main():
             gl = [syn.make_global_batch(rng, B, S, features=F, mix=args.mix, first_id=k * B) for k in range(w)]
             mine = [{k: v for k, v in syn.rank_share(g, world, me).items()} for g in gl]
             on_dev = [syn.to_device(m, dev) for m in mine]
-            ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
+            ex = WindowExchanger(grid=groups.grid, micro_batch_size=B, cost=cost, window_size=w,
                                  collectives=groups.main, device=dev)
             _, rep = ex.exchange(on_dev)
             pinned = [pin(m) for m in mine]
@@ -159,13 +159,13 @@ def main():
                 dist.all_to_all_single(recv, send, outs, ins, group=groups.main.data_group)
 
             exch_ms = timed(lambda: ex.exchange(on_dev), args.reps)
-            prof = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
+            prof = WindowExchanger(grid=groups.grid, micro_batch_size=B, cost=cost, window_size=w,
                                    collectives=groups.main, device=dev, profile_stages=True)
             stages = [prof.exchange(on_dev)[1].stage_ms for _ in range(args.reps)]
             stage_ms = {k: float(np.median([st[k] for st in stages])) for k in stages[0]}
             a2a_ms = timed(bare, args.reps)
             t_host = timed(lambda: ex.exchange(pinned), args.reps)  # from pinned host batches (H2D inside)
-            early = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w,
+            early = WindowExchanger(grid=groups.grid, micro_batch_size=B, cost=cost, window_size=w,
                                     collectives=groups.main, device=dev, early_copy=True)
             t_early = timed(lambda: early.exchange(pinned), args.reps)  # copy to the device while planning
             if per == args.per_rank[0] and w == args.windows[0]:
@@ -198,7 +198,7 @@ def main():
     for mb in args.dp1_sizes:
         rng = np.random.default_rng(7)
         gs = [syn.to_device(syn.make_global_batch(rng, mb, S, features=F, mix=args.mix), dev) for _ in range(8)]
-        loc = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), global_batch=mb, cost=cost,
+        loc = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
                               device=dev)
         reps = [loc.exchange([g])[1] for g in gs]
         permuted[mb] = sum(bool((r.orders != np.arange(mb)).any()) for r in reps)
@@ -227,7 +227,7 @@ def main():
         hs = [pin(syn.make_global_batch(np.random.default_rng(7 + i), mb, S, features=F, mix=args.mix))
               for i in range(8)]
         k = iter(range(10**9))
-        early = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), global_batch=mb, cost=cost,
+        early = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
                                 device=dev, early_copy=True)
         dp1_host[mb] = dict(exchange=timed(lambda: loc.exchange([hs[next(k) % 8]]), args.reps * 8),
                             early_copy=timed(lambda: early.exchange([hs[next(k) % 8]]), args.reps * 8),
@@ -251,7 +251,7 @@ def main():
     _sync()
     mm_ms = (time.perf_counter() - t) * 100
     n_mm = max(1, int(args.compute_ms / mm_ms))
-    ex = WindowExchanger(grid=groups.grid, global_batch=B, cost=cost, window_size=w, collectives=groups.side,
+    ex = WindowExchanger(grid=groups.grid, micro_batch_size=B, cost=cost, window_size=w, collectives=groups.side,
                          device=dev)
     exposed, steps = [], []
     window_bytes = max(sum(t.numel() * t.element_size() for k in range(j, j + w) for t in tensors(stream_src[k]))

@@ -67,7 +67,7 @@ def main():
         cases = {"pinned host -> device": (pinned, dev), "device-resident": (on_dev, dev),
                  "grid_thw on host, device None": (mixed, None)}
         for name, (batches, target) in cases.items():
-            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=mb, cost=cost, device=target)
+            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=target)
             for k, batch in enumerate(batches):
                 (out,), rep = ex.exchange([batch])
                 got = per_sample_bytes(syn.to_device(out, "cpu"), vision_start_token_id=syn.VISION_START)
@@ -76,7 +76,7 @@ def main():
                     bad.append(f"mb {mb} batch {k} {name}")
                 if target is not None and any(t.device != resolved(target) for t in tensors(out)):
                     bad.append(f"mb {mb} batch {k} {name}: a tensor is not on {target}")
-        ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=mb, cost=cost, device=dev)
+        ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev)
         k = iter(range(10**9))
         timings[f"mb{mb}_from_pinned_ms"] = _ms(lambda: ex.exchange([pinned[next(k) % 4]]), dev, args.reps)
         timings[f"mb{mb}_to_device_ms"] = _ms(lambda: syn.to_device(pinned[next(k) % 4], dev, non_blocking=True),

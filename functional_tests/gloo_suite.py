@@ -75,7 +75,7 @@ def run(args) -> dict:
     module, grid = groups.module, groups.grid
     cost = CostModel(language_weight=args.language_weight)
     coll = groups.side if args.overlap else groups.main
-    ex = WindowExchanger(grid=grid, global_batch=args.micro_batch, cost=cost, balancer=args.balancer,
+    ex = WindowExchanger(grid=grid, micro_batch_size=args.micro_batch, cost=cost, balancer=args.balancer,
                          window_size=args.window, collectives=coll, device=device)
     source = rank_source(args, module, grid.dp, grid.rank, device)
     if args.case == "lost_peer":

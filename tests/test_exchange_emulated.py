@@ -57,7 +57,7 @@ def test_short_last_window_and_reports():
 
 def _run(dp, batches_for_rank, exchanger_kwargs_for_rank=lambda r: {}):
     def fn(r, coll):
-        kw = dict(grid=Grid(groups=dp, dp=dp, rank=r), global_batch=2 * dp, cost=COST, window_size=2,
+        kw = dict(grid=Grid(groups=dp, dp=dp, rank=r), micro_batch_size=2 * dp, cost=COST, window_size=2,
                   collectives=coll)
         kw.update(exchanger_kwargs_for_rank(r))
         return WindowExchanger(**kw).exchange(batches_for_rank(r))
@@ -120,7 +120,7 @@ def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
     assert gated_all.all()
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), global_batch=8, cost=COST, window_size=3,
+        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), micro_batch_size=8, cost=COST, window_size=3,
                              collectives=coll, min_gain=0.99)
         return ex.exchange([syn.rank_share(g, 4, r) for g in batches])
     res = run_emulated(4, fn)
@@ -156,7 +156,7 @@ def test_gate_thresholds_must_match_across_the_dp_group():
     assert [str(e) for e in out] == ["config mismatch across the DP group: min_gain is None on ranks [0], "
                                      "0.1 on ranks [1]"] * 2
     with pytest.raises(ValueError, match=r"min_saving=-1.0 is invalid"):
-        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=2, cost=COST, min_saving=-1.0)
+        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_saving=-1.0)
 
 
 def test_language_cost_weight_is_used_everywhere():
@@ -174,7 +174,7 @@ def test_data_source_error_is_shared_with_its_text():
     shares = _shares(2)
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), global_batch=4, cost=COST, collectives=coll)
+        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=4, cost=COST, collectives=coll)
         return ex.exchange([shares[r]] if r == 0 else [], error=None if r == 0 else OSError("disk gone"))
     out = run_emulated(2, fn, timeout=20, return_exceptions=True)
     assert [str(e) for e in out] == ["reorder failed on rank 1: data source raised OSError: disk gone"] * 2
@@ -184,7 +184,7 @@ def test_shadow_mode_plans_and_reports_but_moves_nothing():
     batches = windows_for(21, 8, 2)
 
     def fn(r, coll, shadow=True):
-        kw = dict(grid=Grid(groups=4, dp=4, rank=r), global_batch=8, cost=COST, window_size=2, collectives=coll)
+        kw = dict(grid=Grid(groups=4, dp=4, rank=r), micro_batch_size=8, cost=COST, window_size=2, collectives=coll)
         real = WindowExchanger(**kw).exchange([syn.rank_share(g, 4, r) for g in batches])[1]
         mine = [syn.rank_share(g, 4, r) for g in batches]
         out, rep = WindowExchanger(shadow=True, **kw).exchange(mine)
@@ -207,7 +207,7 @@ def test_quadratic_vision_cost_drives_the_plan_on_every_rank():
     cost = CostModel(encoder_weight=1.0, encoder_quadratic_weight=1e-3)
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), global_batch=8, cost=cost, balancer="lpt",
+        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), micro_batch_size=8, cost=cost, balancer="lpt",
                              window_size=2, collectives=coll)
         return ex.exchange([syn.rank_share(g, 4, r) for g in batches])
     res = run_emulated(4, fn)
@@ -265,7 +265,7 @@ def test_cross_slot_mode_balances_the_window_and_keeps_every_invariant_but_i7(dp
     held = {}
     for name, d in zip(("vision", "language"), dps):
         def fn(r, coll, d=d):
-            ex = WindowExchanger(grid=Grid(groups=g, dp=d, rank=r), global_batch=B, cost=COST, balancer="lpt",
+            ex = WindowExchanger(grid=Grid(groups=g, dp=d, rank=r), micro_batch_size=B, cost=COST, balancer="lpt",
                                  window_size=slots, collectives=coll if d > 1 else None, cross_slot=True)
             return ex.exchange([syn.rank_share(x, d, r) for x in batches])
         res = run_emulated(d, fn)
@@ -358,7 +358,7 @@ def test_gate_backoff_skips_the_same_windows_on_every_rank_and_module(seed, max_
 
     def module(dp):
         def fn(r, coll):
-            ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), global_batch=batch, cost=cost,
+            ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), micro_batch_size=batch, cost=cost,
                                  collectives=coll if dp > 1 else None, min_saving=threshold, gate_backoff=max_skip)
             got = []
             for (g,) in stream:
@@ -391,9 +391,9 @@ def test_gate_backoff_doubles_up_to_its_cap_and_resets_when_a_window_moves():
 
 def test_gate_backoff_needs_the_gate_and_matches_across_ranks():
     with pytest.raises(ValueError, match=r"gate_backoff=4 needs the cost-benefit gate: set min_gain or min_saving"):
-        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=2, cost=COST, gate_backoff=4)
+        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, gate_backoff=4)
     with pytest.raises(ValueError, match=r"gate_backoff=-1 is invalid"):
-        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=2, cost=COST, min_gain=0.1, gate_backoff=-1)
+        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_gain=0.1, gate_backoff=-1)
     shares = _shares(2)
     out = _run(2, lambda r: [shares[r]], lambda r: {"min_gain": 0.5, "gate_backoff": 2 * r})
     assert [str(e) for e in out] == ["config mismatch across the DP group: gate_backoff is 0 on ranks [0], "
@@ -404,7 +404,7 @@ def test_a_skipped_window_raises_a_source_error_on_its_own_rank_and_ends_locally
     """In a skipped window nothing is exchanged: a data-source error raises on the rank that has it
     (as with reorder off) and an empty window ends that rank's stream without a collective."""
     g = windows_for(5, 4, 1)[0]
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), global_batch=4, cost=COST, min_gain=0.999,
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=COST, min_gain=0.999,
                          gate_backoff=4)
     _, rep = ex.exchange([g])
     assert not rep.skipped and rep.gated_slots == 1

@@ -184,7 +184,7 @@ def _rank_main(rank: int, world: int, cfg: dict):
     module, grid = groups.module, groups.grid
     cost = _cost(cfg["language_weight"])
     fields = module_fields(module, cost)
-    ex = WindowExchanger(grid=grid, global_batch=B, cost=cost, balancer=cfg["balancer"], window_size=W,
+    ex = WindowExchanger(grid=grid, micro_batch_size=B, cost=cost, balancer=cfg["balancer"], window_size=W,
                          collectives=groups.side if cfg["overlap"] else groups.main)
     pending = deque()  # natural global batches, handed from the (possibly background) reader to the checker
 

@@ -96,7 +96,7 @@ def _int64_to_text(t: np.ndarray) -> str:
 class WindowExchanger:
     """Reorders windows of micro-batches for one rank of one module.
 
-    grid: this rank's place (G, dp, rank); global_batch: B; cost: the cost model; balancer: name;
+    grid: this rank's place (G, dp, rank); micro_batch_size: B; cost: the cost model; balancer: name;
     window_size: most slots per window (metadata is sized for it); collectives: the module's DP
     group (None only when dp == 1); batch_dims: overrides of per-field batch dims; device: where
     the reordered micro-batches go (counts are taken, and payloads copied straight from, where the
@@ -116,11 +116,12 @@ class WindowExchanger:
     rank only, as with reorder off. 0 (default): every window is planned.
     """
 
-    def __init__(self, *, grid: Grid, global_batch: int, cost: CostModel, balancer: str = "balanced",
+    def __init__(self, *, grid: Grid, micro_batch_size: int, cost: CostModel, balancer: str = "balanced",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
                  device: torch.device | str | None = None, profile_stages: bool = False,
                  min_gain: float | None = None, min_saving: float | None = None, shadow: bool = False,
                  cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0):
+        global_batch = micro_batch_size  # B, samples of one global micro-batch (Megatron's micro_batch_size)
         check_global_batch(global_batch, grid.groups)
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")

@@ -260,7 +260,7 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
                      encoder_image_weight=cfg.encoder_image_weight,
                      image_token_id=cfg.image_token_id, vision_start_token_id=cfg.vision_start_token_id,
                      spatial_merge_size=cfg.spatial_merge_size)
-    ex = WindowExchanger(grid=rg.grid, global_batch=global_batch, cost=cost, balancer=cfg.balancer,
+    ex = WindowExchanger(grid=rg.grid, micro_batch_size=global_batch, cost=cost, balancer=cfg.balancer,
                          window_size=cfg.window_size, collectives=rg.side if cfg.overlap else rg.main,
                          device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot, min_gain=cfg.min_gain,
                          min_saving=cfg.min_saving, gate_backoff=cfg.gate_backoff,
