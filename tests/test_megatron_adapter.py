@@ -146,11 +146,27 @@ def test_fields_to_load_accepts_upstream_objects_and_rejects_bad_stage():
 
 # ---- wrap: off, rejections ---------------------------------------------------------------------
 
-def test_wrap_off_returns_the_iterator_unchanged():
-    it = iter([1, 2])
+def test_wrap_off_passes_micro_batches_through_a_closeable_buffer():
+    """Off or on, wrap's result is a context manager with ReorderingBuffer's interface; off, it yields
+    the source's micro-batches unchanged (the same objects)."""
+    from reorder.runtime.buffer import ReorderingBuffer
+
+    items = [{"input_ids": 1}, {"input_ids": 2}]
     off = ReorderConfig()
-    assert rm.wrap(it, config=off, module="language", grids={"language": [[0, 1]]}, global_batch=4,
-                   fixed_width_padding=False) is it
+    with rm.wrap(iter(items), config=off, module="language", grids={"language": [[0, 1]]}, global_batch=4,
+                 fixed_width_padding=False) as it:
+        got = list(it)
+        assert it.last_report is None and len(it.reports) == 0 and not it.worker_alive and not it.overlap
+    assert all(a is b for a, b in zip(got, items)) and len(got) == 2
+    public = {n for n in dir(ReorderingBuffer) if not n.startswith("_")} | {"__enter__", "__exit__", "__next__"}
+    assert all(hasattr(it, n) for n in public), sorted(n for n in public if not hasattr(it, n))
+    it = rm.wrap(iter(items), config=off, module="language", grids={"language": [[0, 1]]}, global_batch=4,
+                 fixed_width_padding=False)
+    assert next(it) is items[0]
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    # a rank that loads nothing (Megatron passes None, and tests `data_iterator is not None`) keeps None
     assert rm.wrap(None, config={"megatron_mimo_scalable_dp": True}, module="x", grids={}, global_batch=3,
                    fixed_width_padding=True) is None
 

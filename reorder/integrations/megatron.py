@@ -207,8 +207,10 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
          device=None, pp_sizes: Mapping | None = None, language_module: str = LANGUAGE,
          data_backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5),
          log_every: int = 0, rank: int | None = None):
-    """Turn this rank's micro-batch iterator into a ReorderingBuffer (or return it unchanged when
-    reordering is off).
+    """Turn this rank's micro-batch iterator into a ReorderingBuffer; with reordering off, into a
+    PassThroughBuffer that yields the micro-batches unchanged. Both are iterators and context managers
+    (`with wrap(...) as batches:`; `close()` stops the overlap thread). A rank that loads nothing
+    passes None and gets None back when reordering is off (Megatron tests `data_iterator is not None`).
 
     config: a ReorderConfig, or any object / mapping carrying the `megatron_mimo_*` fields.
     module: the module whose DP group this iterator feeds (a colocated rank passes either name: its
@@ -224,7 +226,9 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     """
     cfg = config if isinstance(config, ReorderConfig) else ReorderConfig.from_object(config)
     if not cfg.enabled:
-        return data_iterator
+        from reorder.runtime.buffer import PassThroughBuffer
+
+        return None if data_iterator is None else PassThroughBuffer(data_iterator)
     import torch
     import torch.distributed as dist
 

@@ -268,3 +268,43 @@ class ReorderingBuffer:
     @property
     def worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+class PassThroughBuffer:
+    """What `reorder.integrations.megatron.wrap` returns with reordering off: the source's micro-batches
+    unchanged, behind the interface of ReorderingBuffer (iterator, context manager, `close()`,
+    `reports` (always empty), `last_report` (None)), so a training loop holds one type either way."""
+
+    overlap = False
+    worker_alive = False
+
+    def __init__(self, source):
+        self._source = iter(source)
+        self.reports: deque = deque(maxlen=1000)
+        self._done = False
+
+    @property
+    def last_report(self) -> WindowReport | None:
+        return None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        try:
+            return next(self._source)
+        except StopIteration:
+            self._done = True
+            raise
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the stream (nothing runs in the background)."""
+        self._done = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
