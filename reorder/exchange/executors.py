@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -183,9 +183,8 @@ class TorchExecutor:
         s = segments.take(segments.nbytes > 0)
         if not len(s):
             return
-        src_ptr = np.array([t.data_ptr() for t in sources], dtype=np.int64)
-        dst_ptr = np.array([t.data_ptr() for t in destinations], dtype=np.int64)
-        width = word_width(s.src_off, s.dst_off, s.nbytes, src_ptr[s.src_buf], dst_ptr[s.dst_buf])
+        src_at, dst_at = _placement(sources), _placement(destinations)
+        width = word_width(s.src_off, s.dst_off, s.nbytes, src_at[s.src_buf], dst_at[s.dst_buf])
         small = s.nbytes // width < self.gather_below_words
         src_bytes = [byte_view(t) for t in sources]
         dst_bytes = [byte_view(t) for t in destinations]
@@ -196,7 +195,8 @@ class TorchExecutor:
     def _copy_big(s: Segments, src_bytes, dst_bytes) -> None:
         for sb, so, db, do, n in zip(s.src_buf.tolist(), s.src_off.tolist(), s.dst_buf.tolist(),
                                      s.dst_off.tolist(), s.nbytes.tolist()):
-            dst_bytes[db].narrow(0, do, n).copy_(src_bytes[sb].narrow(0, so, n))
+            d = dst_bytes[db]  # non-blocking into CUDA: a pinned host source then copies async
+            d.narrow(0, do, n).copy_(src_bytes[sb].narrow(0, so, n), non_blocking=d.is_cuda)
 
     @staticmethod
     def _gather_small(s: Segments, width: np.ndarray, src_bytes, dst_bytes) -> None:
@@ -217,6 +217,12 @@ class TorchExecutor:
             dst.index_copy_(0, torch.from_numpy(dst_idx).to(dst.device), vals.to(dst.device))
 
 
+def _placement(buffers) -> np.ndarray:
+    """Per buffer, its address OR its byte offset in its storage: a word width dividing both is one
+    that the buffer's memory is aligned to and that `Tensor.view(dtype)` accepts."""
+    return np.array([t.data_ptr() | t.storage_offset() * t.element_size() for t in buffers], dtype=np.int64)
+
+
 def _word_indices(src_start: np.ndarray, dst_start: np.ndarray, count: np.ndarray):
     """Source and destination word indices of every word of the segments, in segment order."""
     total = int(count.sum())
@@ -232,18 +238,21 @@ def _as_words(b: torch.Tensor, w: int) -> torch.Tensor:
 
 
 def launch_table(segments: Segments, sources: Sequence[torch.Tensor],
-                 destinations: Sequence[torch.Tensor], block_bytes: int) -> tuple[np.ndarray, int, int]:
+                 destinations: Sequence[torch.Tensor], block_bytes: int,
+                 alloc: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, int, int]:
     """The Triton kernel's input as one int64 array, and (n segments, n blocks): rows [n, 3] of
     (absolute source address, absolute destination address, nbytes) for the non-empty segments,
     then rows [blocks, 2] of (segment row, byte start in the segment): program p copies bytes
-    [start, min(start + block_bytes, nbytes)) of its segment, so the kernel needs no search."""
+    [start, min(start + block_bytes, nbytes)) of its segment, so the kernel needs no search.
+    `alloc(size)` gives the int64 array to fill (default np.empty; a pinned staging buffer's numpy
+    view saves a copy)."""
     s = segments.take(segments.nbytes > 0)
     src_ptr = np.array([t.data_ptr() for t in sources], dtype=np.int64)
     dst_ptr = np.array([t.data_ptr() for t in destinations], dtype=np.int64)
     n = len(s)
     per_seg = (s.nbytes + block_bytes - 1) // block_bytes
     blocks = int(per_seg.sum())
-    out = np.empty(3 * n + 2 * blocks, dtype=np.int64)
+    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(3 * n + 2 * blocks)
     seg = out[:3 * n].reshape(n, 3)
     seg[:, 0] = src_ptr[s.src_buf] + s.src_off
     seg[:, 1] = dst_ptr[s.dst_buf] + s.dst_off
@@ -280,26 +289,29 @@ class TritonExecutor:
     def run(self, segments: Segments, sources: list[torch.Tensor],
             destinations: list[torch.Tensor]) -> None:
         check_bounds(segments, sources, destinations)
-        device = self._check_devices(segments, sources, destinations)
-        table, n, blocks = launch_table(segments, sources, destinations, self.block_bytes)
-        if not blocks:
+        if not segments.nbytes.any():
             return
-        host = torch.from_numpy(table)
-        if not self.interpret:
+        device = self._check_devices(segments, sources, destinations)
+        staged = []
+
+        def stage(size):
             # Fresh pinned staging each run: the caching host allocator does not hand the block out
             # again until the non-blocking copy that reads it has completed.
-            staged = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
-            staged.copy_(host)
-            host = staged.to(device, non_blocking=True)
-        self._kernel[(blocks,)](host, host[3 * n:], BLOCK=self.block_bytes,
-                                num_warps=self.num_warps)
+            staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not self.interpret))
+            return staged[0].numpy()
+
+        _, n, blocks = launch_table(segments, sources, destinations, self.block_bytes, alloc=stage)
+        if self.interpret:
+            self._kernel[(blocks,)](staged[0], staged[0][3 * n:], BLOCK=self.block_bytes)
+            return
+        with torch.cuda.device(device):  # Triton launches on the current device and stream
+            table = staged[0].to(device, non_blocking=True)
+            self._kernel[(blocks,)](table, table[3 * n:], BLOCK=self.block_bytes, num_warps=self.num_warps)
 
     def _check_devices(self, segments: Segments, sources, destinations) -> torch.device:
         """The device to launch on; ValueError for buffers the kernel cannot address."""
         used_dst = np.unique(segments.dst_buf[segments.nbytes > 0]).tolist()
         used_src = np.unique(segments.src_buf[segments.nbytes > 0]).tolist()
-        if not used_dst:
-            return torch.device("cpu")
         device = destinations[used_dst[0]].device
         want = "cpu" if self.interpret else "cuda"
         for i in used_dst:
@@ -328,6 +340,8 @@ def select_executor(device) -> Executor:
             why = "CUDA device and triton importable: one kernel launch per segment table"
         except ImportError as e:
             executor, why = TorchExecutor(), f"triton not installed ({e})"
+        except Exception as e:  # a broken install (e.g. mismatched versions) must not stop training
+            executor, why = TorchExecutor(), f"triton failed to import ({type(e).__name__}: {e})"
     else:
         executor, why = TorchExecutor(), f"{device.type} device (the Triton kernel needs CUDA)"
     if (executor.name, why) not in _NOTICES:
