@@ -100,9 +100,9 @@ MUTATIONS = [
              EXCHANGE_COSTS,
              EXCHANGE_COSTS.replace("counts[..., 0], counts[..., 1]", "counts[..., 2], counts[..., 1]")),
     # 8. the error bit of the all-gathered header is always 0: a rank-local error is not shared.
-    Mutation("exchange header error bit always 0", "reorder/exchange/exchanger.py",
-             "return [MAGIC, int(error), slots,",
-             "return [MAGIC, 0, slots,"),
+    Mutation("exchange header error bit always 0", "reorder/exchange/wire.py",
+             "frame[:TEXT_AT] = (MAGIC, int(error is not None), slots,",
+             "frame[:TEXT_AT] = (MAGIC, 0, slots,"),
     # 8b. when no sample changes rank, the local reorder keeps natural order instead of the plan's.
     Mutation("exchange no-transfer local reorder ignores the plan", "reorder/exchange/exchanger.py",
              "[shards[s][0]], orders[s, r * b:(r + 1) * b] - r * b, s,",

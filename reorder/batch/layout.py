@@ -55,7 +55,7 @@ class RaggedField:
     """A vision tensor with a variable number of leading entries per sample (rows or images)."""
 
     path: Path
-    per: str  # "row" or "image"
+    per: str  # "row", "image", or "any" until resolved (a rank whose images each have one patch row, or none)
     dtype: torch.dtype
     entry_shape: tuple
 
@@ -85,6 +85,18 @@ class BatchLayout:
     def image_bytes(self) -> int:
         return sum(f.entry_bytes for f in self.ragged if f.per == "image")
 
+    def resolved(self, kinds: dict | None = None) -> "BatchLayout":
+        """This layout with every "any" ragged field given its kind: `kinds[path]` (what the DP group
+        decided), else "row". On this rank such a field has as many entries per sample as rows and
+        as images, so either kind packs its bytes identically; only a rank that holds a telling
+        shape can decide, and the others adopt its kind."""
+        kinds = kinds or {}
+        if all(f.per != "any" for f in self.ragged):
+            return self
+        ragged = tuple(RaggedField(f.path, kinds.get(f.path, "row"), f.dtype, f.entry_shape) if f.per == "any" else f
+                       for f in self.ragged)
+        return BatchLayout(self.dense, ragged, self.lists, self.grid_path)
+
     def signature(self) -> str:
         """A stable text of everything that must match across ranks to concatenate samples."""
         parts = [f"{'/'.join(f.path)}:d{f.batch_dim}:{str(f.dtype)[6:]}:{list(f.sample_shape)}" for f in self.dense]
@@ -111,6 +123,27 @@ class Shard:
         if not self.lists:
             return [b""] * self.n
         return [pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL) for t in self.lists]
+
+
+def unify(signatures: list) -> dict | None:
+    """Per-row / per-image kinds that make the ranks' layout signatures (None: a rank without a
+    window) agree, as {path: kind} for the fields some rank left "any"; None when they differ in
+    anything else (fields, dtypes, shapes, or a field per-row on one rank and per-image on another)."""
+    split = [s.split(";") for s in signatures if s is not None]
+    if len({len(parts) for parts in split}) > 1:
+        return None
+    kinds = {}
+    for entries in zip(*split):
+        if len(set(entries)) == 1:
+            continue
+        fields = [e.split(":") for e in entries]
+        if any(len(f) != 4 for f in fields) or len({(f[0], f[2], f[3]) for f in fields}) > 1:
+            return None
+        pers = {f[1] for f in fields} - {"any"}
+        if len(pers) != 1 or not pers <= {"row", "image"}:
+            return None
+        kinds[tuple(fields[0][0].split("/"))] = pers.pop()
+    return kinds
 
 
 def field_at(batch, path: Path):
@@ -151,9 +184,10 @@ def _walk(obj, path=()):
 
 def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
              batch_dims: dict | None = None, image_counts: torch.Tensor | None = None,
-             grid_host: np.ndarray | None = None) -> tuple[BatchLayout, Shard]:
+             grid_host: np.ndarray | None = None, where: str = "") -> tuple[BatchLayout, Shard]:
     """Split one rank's micro-batch of `local_batch` samples into its layout and a shard
-    (image_counts: per-sample vision-start tokens; grid_host: grid_thw already on the host, as int64).
+    (image_counts: per-sample vision-start tokens; grid_host: grid_thw already on the host, as int64;
+    where: how error messages name this micro-batch, e.g. "micro-batch 2 ").
 
     Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
     not match the vision tensors, or a per-sample field whose batch dim is not `local_batch`.
@@ -196,13 +230,13 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
     grid_path = None
     if vision:
         grid_path = _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts,
-                                     grid_host)
+                                     grid_host, where)
     layout = BatchLayout(tuple(dense), tuple(ragged), tuple(lists), grid_path)
     return layout, shard
 
 
 def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts=None,
-                     grid_host=None):
+                     grid_host=None, where=""):
     grids = [(p, v) for p, v in vision if p[-1] == "grid_thw"]
     if len(grids) != 1:
         raise LayoutError(f"modality_inputs must hold exactly one 'grid_thw' tensor, found {len(grids)}: "
@@ -222,6 +256,7 @@ def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, sh
     csum = np.zeros(n_img + 1, dtype=np.int64)  # patch rows before each image (host arithmetic)
     if grid_host is None:
         grid_host = grid.to("cpu", torch.int64).numpy()
+    _check_grid(grid_host, counts, grid_path, where)
     np.cumsum(grid_host.prod(axis=1), out=csum[1:])
     total_rows = int(csum[-1])
     ends = np.cumsum(counts)
@@ -234,6 +269,8 @@ def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, sh
             raise LayoutError(f"field {'/'.join(path)!r} must be a tensor with a leading row or image dim")
         if path == grid_path or (path[-1] != "hidden_states" and v.shape[0] == n_img and n_img != total_rows):
             per = "image"
+        elif path[-1] != "hidden_states" and v.shape[0] == n_img == total_rows:
+            per = "any"  # as many images as rows here: the DP group decides (BatchLayout.resolved)
         elif v.shape[0] == total_rows:
             per = "row"
         else:
@@ -244,6 +281,18 @@ def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, sh
     shard.row_counts = row_counts
     shard.image_counts = image_counts
     return grid_path
+
+
+def _check_grid(grid_host: np.ndarray, image_counts: np.ndarray, grid_path: Path, where: str) -> None:
+    """Every t, h, w of grid_thw must be >= 1 (a product of negatives can still match the rows)."""
+    bad = np.flatnonzero((grid_host < 1).any(axis=1))
+    if len(bad):
+        i = int(bad[0])
+        ends = np.cumsum(image_counts)
+        sample = int(np.searchsorted(ends, i, side="right"))
+        first = int(ends[sample] - image_counts[sample])
+        raise LayoutError(f"{where}sample {sample} image {i - first}: grid_thw {grid_host[i].tolist()} has a component < 1: "
+                          f"every t, h, w must be an integer >= 1 (field {'/'.join(grid_path)!r})")
 
 
 def rebuild(template: dict, layout: BatchLayout, shard: Shard) -> dict:

@@ -10,9 +10,7 @@ A module with DP size 1 permutes locally with no communication.
 from __future__ import annotations
 
 import math
-import struct
 import time
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,16 +20,11 @@ from reorder.batch import packing
 from reorder.exchange.collectives import Collectives
 from reorder.batch.cost import CostModel
 from reorder.plan.grid import Grid, check_global_batch
-from reorder.batch.layout import LayoutError, describe, field_at, grid_of, rebuild
+from reorder.batch.layout import LayoutError, describe, field_at, grid_of, rebuild, unify
+from reorder.exchange import wire
 from reorder.plan.orders import plan_gated_orders, plan_orders, rank_loads
 from reorder.plan.routes import window_routes
 
-MAGIC = 0x52454F52  # "REOR"
-HEADER = ("magic", "error", "slots", "global_batch", "groups", "dp", "encoder_weight", "language_weight",
-          "encoder_quadratic_weight", "language_quadratic_weight", "encoder_image_weight",
-          "spatial_merge_size", "image_token_id", "vision_start_token_id", "balancer", "layout", "window_size",
-          "shadow", "cross_slot", "min_gain", "min_saving", "gate_backoff")
-TEXT_BYTES = 1024
 COLS = 6  # placeholders, real tokens, images, patch rows, list bytes, sum of per-image patches**2
 
 
@@ -79,18 +72,6 @@ def _spread(loads):
     mean = loads.mean(axis=1)
     ok = mean > 0
     return float((loads.max(axis=1)[ok] / mean[ok]).mean()) if ok.any() else 1.0
-
-
-def _f64_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def _text_to_int64(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), dtype=np.int64)
-
-
-def _int64_to_text(t: np.ndarray) -> str:
-    return t.tobytes().rstrip(b"\0").decode(errors="replace")
 
 
 class WindowExchanger:
@@ -149,6 +130,7 @@ class WindowExchanger:
             raise ValueError(f"gate_backoff={gate_backoff} needs the cost-benefit gate: set min_gain or min_saving")
         self.gate_backoff = gate_backoff
         self._gated_run, self._skip, self._paths = 0, 0, None  # backoff state; per-sample field paths
+        self._agreed = False  # the DP group's config frames matched (gathered before the first window)
         self.shadow = bool(shadow)  # plan and report, move nothing (must match across the DP group)
         # opt-in: balance over the whole window (samples may change micro-batch; still B/dp per rank
         # per slot). Valid only when the optimizer steps once per window and the loss is normalized
@@ -172,7 +154,8 @@ class WindowExchanger:
             per_sample, grid = self.cost.counts(ids, batch.get("attention_mask"), grid=grid_of(batch))
             placeholders, real, images, sq = per_sample
             layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
-                                     batch_dims=self.batch_dims, image_counts=torch.from_numpy(images), grid_host=grid)
+                                     batch_dims=self.batch_dims, image_counts=torch.from_numpy(images), grid_host=grid,
+                                     where=f"micro-batch {slot} ")
             if layouts and layout != layouts[0]:
                 raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
                                   f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
@@ -208,49 +191,39 @@ class WindowExchanger:
             return order.reshape(w, batch), np.repeat(gated, w)
         return plan_gated_orders(costs, self.grid.groups, self.balancer, self.min_gain, self.min_saving)
 
-    def _header(self, error: bool, slots: int, layout_text: str) -> list:
+    def _config(self) -> dict:
+        """Every setting that must match across the DP group, by wire.CONFIG name."""
         c = self.cost
-        return [MAGIC, int(error), slots, self.global_batch, self.grid.groups, self.grid.dp,
-                _f64_bits(c.encoder_weight), _f64_bits(c.language_weight), _f64_bits(c.encoder_quadratic_weight),
-                _f64_bits(c.language_quadratic_weight), _f64_bits(c.encoder_image_weight), c.spatial_merge_size, c.image_token_id,
-                c.vision_start_token_id, zlib.crc32(self.balancer.encode()), zlib.crc32(layout_text.encode()),
-                self.window_size, int(self.shadow), int(self.cross_slot),
-                _f64_bits(-1.0 if self.min_gain is None else self.min_gain),
-                _f64_bits(-1.0 if self.min_saving is None else self.min_saving), self.gate_backoff]
+        return dict(micro_batch_size=self.global_batch, groups=self.grid.groups, dp=self.grid.dp,
+                    window_size=self.window_size, encoder_weight=c.encoder_weight, language_weight=c.language_weight,
+                    encoder_quadratic_weight=c.encoder_quadratic_weight,
+                    language_quadratic_weight=c.language_quadratic_weight, encoder_image_weight=c.encoder_image_weight,
+                    spatial_merge_size=c.spatial_merge_size, image_token_id=c.image_token_id,
+                    vision_start_token_id=c.vision_start_token_id, balancer=self.balancer, shadow=self.shadow,
+                    cross_slot=self.cross_slot, min_gain=self.min_gain, min_saving=self.min_saving,
+                    gate_backoff=self.gate_backoff)
 
-    def _check(self, gathered: np.ndarray):
-        """Raise the same ReorderError on every rank if any rank failed or configs differ."""
-        h = len(HEADER)
-        head_t, texts = gathered[:, :h], gathered[:, h:h + TEXT_BYTES // 8]
-        head = head_t.tolist()
-        if all(row == head[0] for row in head[1:]) and not head[0][1]:
-            return  # fast path: no error, identical configs and layouts
-        errors = [(q, _int64_to_text(texts[q])) for q in range(len(head)) if head[q][1]]
-        if errors:
-            raise ReorderError("reorder failed on " + "; ".join(f"rank {q}: {m}" for q, m in errors))
-        for j, name in enumerate(HEADER):
-            col = [row[j] for row in head]
-            if len(set(col)) > 1:
-                if name == "slots":
-                    raise ReorderError("micro-batch count of this window differs across the DP group (a data "
-                                       "iterator ended early or yields a different number of micro-batches): "
-                                       + ", ".join(f"rank {q}: {v}" for q, v in enumerate(col)))
-                if name == "layout" and 0 in [row[2] for row in head]:
-                    continue
-                if name == "layout":
-                    sigs = {v: _int64_to_text(texts[q]) for q, v in enumerate(col)}
-                    detail = "; ".join(f"ranks {[q for q, v in enumerate(col) if v == k]}: {s}" for k, s in sigs.items())
-                    raise ReorderError(f"batch layout differs across ranks (fields, dtypes and per-sample shapes "
-                                       f"must match: pad to a fixed sequence length): {detail}")
-                if name.endswith("_weight") or name.startswith("min_"):
-                    col = [struct.unpack("<d", struct.pack("<q", v))[0] for v in col]
-                    if name.startswith("min_"):
-                        col = [None if v < 0 else v for v in col]
-                if name == "balancer":
-                    col = [f"crc32:{v:08x}" for v in col]
-                raise ReorderError(f"config mismatch across the DP group: {name} is "
-                                   + ", ".join(f"{v!r} on ranks {[q for q, x in enumerate(col) if x == v]}"
-                                               for v in dict.fromkeys(col)))
+    def _agree(self) -> None:
+        """Before the first window: gather the fixed-size config frame, so ranks whose configs differ
+        (even in what sizes the window frame: window_size, global micro-batch) all raise the same
+        ReorderError naming the field and each rank's value, instead of a mismatched collective."""
+        gathered = self.collectives.all_gather(torch.from_numpy(wire.encode_config(self._config()))).numpy()
+        problem = wire.config_mismatch(gathered)
+        if problem is not None:
+            raise ReorderError(problem)
+        self._agreed = True
+
+    @staticmethod
+    def _group_layout(layout, signatures):
+        """This rank's layout as the DP group agreed it (fields left "any" take the kind another rank
+        saw), or the same ReorderError on every rank when the ranks' layouts cannot agree."""
+        kinds = {} if signatures is None else unify(signatures)
+        if kinds is None:
+            sigs = dict.fromkeys(signatures)
+            detail = "; ".join(f"ranks {[q for q, v in enumerate(signatures) if v == s]}: {s}" for s in sigs)
+            raise ReorderError(f"batch layout differs across ranks (fields, dtypes and per-sample shapes must "
+                               f"match: pad to a fixed sequence length): {detail}")
+        return layout.resolved(kinds)
 
     # ---- the exchange -----------------------------------------------------------------------
 
@@ -286,24 +259,23 @@ class WindowExchanger:
             if error is not None:
                 raise ReorderError(f"reorder failed on rank 0: {error}")
             return ([], None) if local is None else self._local(batches, local, t0)
-        layout_text = local[0].signature() if local is not None else ""
-        text = str(error) if error is not None else layout_text
-        h, t = len(HEADER), len(HEADER) + TEXT_BYTES // 8
-        meta = np.zeros(t + self.window_size * b * COLS, dtype=np.int64)
-        meta[:h] = self._header(error is not None, W, layout_text)
-        meta[h:t] = _text_to_int64(text)
-        if local is not None:
-            meta[t:t + W * b * COLS] = local[2].reshape(-1)
-        meta = torch.from_numpy(meta)
+        if not self._agreed:
+            self._agree()
+        frame = np.zeros(wire.window_words(self.window_size, b, COLS), dtype=np.int64)
+        wire.encode_window(frame, error=None if error is None else str(error), slots=W,
+                           layout="" if local is None else local[0].signature(),
+                           counts=None if local is None else local[2])
         mark("prepare")
-        gathered = self.collectives.all_gather(meta).numpy()
+        gathered = self.collectives.all_gather(torch.from_numpy(frame)).numpy()
         mark("gather")
-        self._check(gathered)
+        problem, signatures = wire.window_problem(gathered)
+        if problem is not None:
+            raise ReorderError(problem)
         if W == 0:
             return [], None
         layout, shards, _ = local
-        counts = gathered[:, len(HEADER) + TEXT_BYTES // 8:].reshape(dp, self.window_size, b, COLS)[:, :W]
-        counts = counts.transpose(1, 0, 2, 3).reshape(W, B, COLS)  # natural order per slot
+        layout = self._group_layout(layout, signatures)
+        counts = wire.counts_of(gathered, W, b, COLS)  # natural order per slot
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)
@@ -479,6 +451,7 @@ class WindowExchanger:
 
     def _local(self, batches, local, t0):
         layout, shards, counts = local
+        layout = layout.resolved()
         t_plan = time.perf_counter()
         costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
         orders, gated = self._plan(costs)

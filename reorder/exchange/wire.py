@@ -1,0 +1,144 @@
+"""The metadata wire format: what a rank tells its DP group, as fixed-layout int64 frames.
+
+Two frames, both gathered over the module's DP group with one all-gather each:
+
+- the **config frame**, once, before the first window: `MAGIC`, then every field of `CONFIG` by
+  name (ints as int64, floats as their IEEE-754 bits, None as a NaN pattern no finite float has,
+  text as `TEXT_WORDS` words of zero-padded UTF-8). Its size depends on nothing a rank chooses, so
+  ranks configured differently still gather it and every rank names the same differing field;
+- the **window frame**, once per window: `WINDOW_HEAD` (magic, error flag, micro-batches in the
+  window, CRC-32 of the batch layout signature), `TEXT_BYTES` of text (the error message, else the
+  layout signature) and the counts, `window_size x B/dp x Column` int64 (zeros past the window's
+  micro-batches). Its size depends on the config, which the config frame has already shown to match.
+
+Pure numpy: numbers in, numbers out; the driver (`reorder.exchange.exchanger`) gathers the frames
+and turns what `config_mismatch` / `decode_window` find into errors.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = 0x52454F52  # "REOR"
+TEXT_BYTES = 1024  # error message or layout signature, truncated
+TEXT_WORDS = 4  # a text config field: 32 bytes
+_NONE = 0x7FF8_DEAD_0000_0001  # a NaN bit pattern: None for optional floats (finite values never have it)
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One named config value on the wire; kind: "int" (bools as 0 / 1), "float" (None allowed) or "text"."""
+
+    name: str
+    kind: str
+
+    @property
+    def words(self) -> int:
+        return TEXT_WORDS if self.kind == "text" else 1
+
+
+CONFIG = (Field("micro_batch_size", "int"), Field("groups", "int"), Field("dp", "int"), Field("window_size", "int"),
+          Field("encoder_weight", "float"), Field("language_weight", "float"),
+          Field("encoder_quadratic_weight", "float"), Field("language_quadratic_weight", "float"),
+          Field("encoder_image_weight", "float"), Field("spatial_merge_size", "int"), Field("image_token_id", "int"),
+          Field("vision_start_token_id", "int"), Field("balancer", "text"), Field("shadow", "int"),
+          Field("cross_slot", "int"), Field("min_gain", "float"), Field("min_saving", "float"),
+          Field("gate_backoff", "int"))
+CONFIG_WORDS = 1 + sum(f.words for f in CONFIG)
+WINDOW_HEAD = ("magic", "error", "slots", "layout")
+TEXT_AT = len(WINDOW_HEAD)
+COUNTS_AT = TEXT_AT + TEXT_BYTES // 8
+
+
+def _encode(field: Field, value) -> list:
+    if field.kind == "text":
+        return np.frombuffer(str(value).encode()[:8 * TEXT_WORDS].ljust(8 * TEXT_WORDS, b"\0"), np.int64).tolist()
+    if field.kind == "float":
+        return [_NONE if value is None else struct.unpack("<q", struct.pack("<d", float(value)))[0]]
+    return [int(value)]
+
+
+def _decode(field: Field, words: np.ndarray):
+    if field.kind == "text":
+        return text_of(words)
+    w = int(words[0])
+    if field.kind == "float":
+        return None if w == _NONE else struct.unpack("<d", struct.pack("<q", w))[0]
+    return w
+
+
+def encode_config(values: dict) -> np.ndarray:
+    """int64 [CONFIG_WORDS]: the config frame of `values` (a value for every field of CONFIG)."""
+    out = [MAGIC]
+    for f in CONFIG:
+        out += _encode(f, values[f.name])
+    return np.array(out, dtype=np.int64)
+
+
+def config_mismatch(gathered: np.ndarray) -> str | None:
+    """The error text for the first field that differs across the gathered config frames [dp,
+    CONFIG_WORDS] (naming each value and its ranks), or None when every rank has the same config."""
+    if (gathered == gathered[0]).all():
+        return None
+    if (gathered[:, 0] != MAGIC).any():
+        return "the DP group is not all running reorder: a rank sent a metadata frame without its magic number"
+    at = 1
+    for f in CONFIG:
+        col = [_decode(f, row[at:at + f.words]) for row in gathered]
+        at += f.words
+        if any(v != col[0] for v in col[1:]):
+            return (f"config mismatch across the DP group: {f.name} is "
+                    + ", ".join(f"{v!r} on ranks {[q for q, x in enumerate(col) if x == v]}" for v in dict.fromkeys(col)))
+    raise AssertionError("config frames differ outside every field")  # unreachable: every word belongs to a field
+
+
+def text_of(words: np.ndarray) -> str:
+    """The zero-padded UTF-8 text held in int64 words."""
+    return np.ascontiguousarray(words).tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def window_words(window_size: int, local_batch: int, columns: int) -> int:
+    """Size of the window frame in int64 words (identical on every rank once the configs match)."""
+    return COUNTS_AT + window_size * local_batch * columns
+
+
+def encode_window(frame: np.ndarray, *, error: str | None, slots: int, layout: str, counts: np.ndarray | None):
+    """Fill `frame` (int64 [window_words], zeroed) with this rank's window: the error text when it
+    failed, else the layout signature; counts [slots, B/dp, columns] when it has a window."""
+    text = error if error is not None else layout
+    frame[:TEXT_AT] = (MAGIC, int(error is not None), slots, zlib.crc32(layout.encode()))
+    frame[TEXT_AT:COUNTS_AT] = np.frombuffer(text.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), np.int64)
+    if counts is not None:
+        frame[COUNTS_AT:COUNTS_AT + counts.size] = counts.reshape(-1)
+    return frame
+
+
+def window_problem(gathered: np.ndarray) -> tuple[str | None, list | None]:
+    """(error text, layout signatures) from the gathered window frames [dp, window_words]: the error
+    every rank must raise (a rank's own error, or micro-batch counts that differ), else None; and,
+    when layouts differ, each rank's signature (ranks with an empty window left out: None there),
+    else None."""
+    head = gathered[:, :TEXT_AT]
+    failed = np.flatnonzero(head[:, 1])
+    if len(failed):
+        return "reorder failed on " + "; ".join(f"rank {q}: {text_of(gathered[q, TEXT_AT:COUNTS_AT])}"
+                                                for q in failed.tolist()), None
+    slots = head[:, 2].tolist()
+    if len(set(slots)) > 1:
+        return ("micro-batch count of this window differs across the DP group (a data iterator ended early or "
+                "yields a different number of micro-batches): "
+                + ", ".join(f"rank {q}: {v}" for q, v in enumerate(slots))), None
+    if slots[0] == 0 or (head[:, 3] == head[0, 3]).all():
+        return None, None
+    return None, [text_of(gathered[q, TEXT_AT:COUNTS_AT]) for q in range(len(gathered))]
+
+
+def counts_of(gathered: np.ndarray, slots: int, local_batch: int, columns: int) -> np.ndarray:
+    """int64 [slots, B, columns]: every rank's counts, natural order per slot (rank-major within a slot)."""
+    dp = len(gathered)
+    c = gathered[:, COUNTS_AT:].reshape(dp, -1, local_batch, columns)[:, :slots]
+    return c.transpose(1, 0, 2, 3).reshape(slots, dp * local_batch, columns)
