@@ -201,7 +201,7 @@ def test_launch_table_blocks_tile_every_segment(problem, block):
     src, dst = Buffers(src_specs, rng), Buffers(dst_specs, rng)
     table, n, blocks = launch_table(segs, src.typed, dst.typed, block)
     live = segs.take(segs.nbytes > 0)
-    rows, blk = table[:3 * n].reshape(n, 3), table[3 * n:].reshape(blocks, 2)
+    blk, rows = table[:2 * blocks].reshape(blocks, 2), table[2 * blocks:].reshape(n, 3)
     assert n == len(live) and len(table) == 3 * n + 2 * blocks
     assert (rows[:, 0] == [src.typed[b].data_ptr() + o for b, o in zip(live.src_buf, live.src_off)]).all()
     assert (rows[:, 1] == [dst.typed[b].data_ptr() + o for b, o in zip(live.dst_buf, live.dst_off)]).all()
@@ -274,10 +274,11 @@ def check_triton_interpreted():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton not installed (pip install triton==3.9.0 to run the kernel in its interpreter)")
 def test_triton_kernel_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    code = "import test_executors as t; t.check_triton_interpreted()"
+    path = [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
+    code = "import test_executors as t, triton; print(triton.__version__); t.check_triton_interpreted()"
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    print(f"interpreted kernel checks: {time.perf_counter() - t0:.1f} s")
+    print(f"interpreted kernel checks, triton {res.stdout.split()[0]}: {time.perf_counter() - t0:.1f} s")

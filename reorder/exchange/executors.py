@@ -240,10 +240,11 @@ def _as_words(b: torch.Tensor, w: int) -> torch.Tensor:
 def launch_table(segments: Segments, sources: Sequence[torch.Tensor],
                  destinations: Sequence[torch.Tensor], block_bytes: int,
                  alloc: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, int, int]:
-    """The Triton kernel's input as one int64 array, and (n segments, n blocks): rows [n, 3] of
-    (absolute source address, absolute destination address, nbytes) for the non-empty segments,
-    then rows [blocks, 2] of (segment row, byte start in the segment): program p copies bytes
-    [start, min(start + block_bytes, nbytes)) of its segment, so the kernel needs no search.
+    """The Triton kernel's input as one int64 array, and (n segments, n blocks): rows [blocks, 2] of
+    (segment row, byte start in the segment), then rows [n, 3] of (absolute source address, absolute
+    destination address, nbytes) for the non-empty segments. Program p copies bytes
+    [start, min(start + block_bytes, nbytes)) of its segment, so the kernel needs no search. Block
+    rows first: the segment rows then start 16-byte aligned, one compiled variant of the kernel.
     `alloc(size)` gives the int64 array to fill (default np.empty; a pinned staging buffer's numpy
     view saves a copy)."""
     s = segments.take(segments.nbytes > 0)
@@ -253,11 +254,11 @@ def launch_table(segments: Segments, sources: Sequence[torch.Tensor],
     per_seg = (s.nbytes + block_bytes - 1) // block_bytes
     blocks = int(per_seg.sum())
     out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(3 * n + 2 * blocks)
-    seg = out[:3 * n].reshape(n, 3)
+    blk = out[:2 * blocks].reshape(blocks, 2)
+    seg = out[2 * blocks:].reshape(n, 3)
     seg[:, 0] = src_ptr[s.src_buf] + s.src_off
     seg[:, 1] = dst_ptr[s.dst_buf] + s.dst_off
     seg[:, 2] = s.nbytes
-    blk = out[3 * n:].reshape(blocks, 2)
     blk[:, 0] = np.repeat(np.arange(n, dtype=np.int64), per_seg)
     first = np.cumsum(per_seg) - per_seg  # first block of each segment
     blk[:, 1] = (np.arange(blocks, dtype=np.int64) - np.repeat(first, per_seg)) * block_bytes
@@ -300,13 +301,13 @@ class TritonExecutor:
             staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not self.interpret))
             return staged[0].numpy()
 
-        _, n, blocks = launch_table(segments, sources, destinations, self.block_bytes, alloc=stage)
+        _, _, blocks = launch_table(segments, sources, destinations, self.block_bytes, alloc=stage)
         if self.interpret:
-            self._kernel[(blocks,)](staged[0], staged[0][3 * n:], BLOCK=self.block_bytes)
+            self._kernel[(blocks,)](staged[0][2 * blocks:], staged[0], BLOCK=self.block_bytes)
             return
         with torch.cuda.device(device):  # Triton launches on the current device and stream
             table = staged[0].to(device, non_blocking=True)
-            self._kernel[(blocks,)](table, table[3 * n:], BLOCK=self.block_bytes, num_warps=self.num_warps)
+            self._kernel[(blocks,)](table[2 * blocks:], table, BLOCK=self.block_bytes, num_warps=self.num_warps)
 
     def _check_devices(self, segments: Segments, sources, destinations) -> torch.device:
         """The device to launch on; ValueError for buffers the kernel cannot address."""
