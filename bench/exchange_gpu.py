@@ -216,7 +216,7 @@ def main():
         order = loc._plan(costs)[0][0]
         dp1_parts[mb] = dict(
             prepare=timed(lambda: loc._prepare([g]), args.reps * 4),
-            counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid=grid_of(g)), args.reps * 4),
+            counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid_thw=grid_of(g)), args.reps * 4),
             plan=timed(lambda: loc._plan(costs), args.reps * 4),
             take=timed(lambda: packing.take(lay, [shards[0][0]], order, dev), args.reps * 4),
             # the same take through the packing path (one buffer, byte-range views), which a

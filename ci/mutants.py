@@ -80,11 +80,11 @@ MUTATIONS = [
              "cat.add(sources[k].dense(f, p, post, a, b))\n        cat.pad()",
              "cat.add(sources[k].dense(f, p, post, a, b))"),
     # 5a. spatial merge factor not squared.
-    Mutation("cost merge factor not squared", "reorder/batch/cost.py",
+    Mutation("cost merge factor not squared", "reorder/plan/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
              "merge2 = float(self.spatial_merge_size)"),
     # 5b. real-token count includes padding.
-    Mutation("cost attention mask counts padding", "reorder/batch/cost.py",
+    Mutation("cost attention mask counts padding", "reorder/plan/cost.py",
              "(m.numpy() != 0).sum(axis=1, out=out[1])",
              "(m.numpy() >= 0).sum(axis=1, out=out[1])"),
     # 6. owner of a canonical group round-robin (modulo) instead of contiguous blocks (division).
@@ -126,7 +126,7 @@ MUTATIONS = [
              "out.ragged[f.path] = _select(t, 0, ix(t.device)[1])",
              "out.ragged[f.path] = _select(t, 0, ix(t.device)[0])"),
     # 11. device counting: squared run lengths summed as 2k instead of 2k + 1 per position.
-    Mutation("device square patches drop the +1", "reorder/batch/cost.py",
+    Mutation("device square patches drop the +1", "reorder/plan/cost.py",
              "return torch.where(m, 2 * (idx - run_start) + 1, 0).sum(dim=1)",
              "return torch.where(m, 2 * (idx - run_start), 0).sum(dim=1)",
              ("tests/test_grid_cost_plan.py",)),

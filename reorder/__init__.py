@@ -11,7 +11,7 @@ from reorder.plan.balancers import BALANCERS, get_balancer
 from reorder.runtime.buffer import ReorderingBuffer
 from reorder.exchange.collectives import CollectiveError, EmulatedGroup, run_emulated
 from reorder.integrations.config import ReorderConfig
-from reorder.batch.cost import CostModel
+from reorder.plan.cost import CostModel
 from reorder.exchange.exchanger import ReorderError, WindowExchanger, WindowReport
 from reorder.plan.grid import Grid, canonical_grid, check_global_batch
 from reorder.batch.layout import LayoutError

@@ -10,7 +10,7 @@ import numpy as np
 from support import checks
 from reorder.cli import synthetic as syn
 from reorder.exchange.collectives import run_emulated
-from reorder.batch.cost import CostModel
+from reorder.plan.cost import CostModel
 from reorder.exchange.exchanger import WindowExchanger
 from reorder.plan.grid import Grid, canonical_grid
 

@@ -6,7 +6,7 @@ import torch
 
 from reorder.cli import synthetic as syn
 from reorder.integrations.calibrate import FEATURES, fit_cost_weights, micro_batch_features
-from reorder.batch.cost import CostModel
+from reorder.plan.cost import CostModel
 
 
 def _features(n, seed=0):

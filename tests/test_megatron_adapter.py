@@ -13,7 +13,7 @@ import torch.distributed as dist
 from reorder.integrations import megatron as rm
 from reorder.cli import synthetic as syn
 from reorder.integrations.config import ReorderConfig
-from reorder.batch.cost import CostModel
+from reorder.plan.cost import CostModel
 from spec import reference as ref
 
 ON = ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=True,

@@ -90,7 +90,7 @@ def _validate(args) -> dict:
 
 
 def _cost(language_weight: float):
-    from reorder.batch.cost import CostModel
+    from reorder.plan.cost import CostModel
 
     return CostModel(encoder_weight=1.0, language_weight=language_weight)
 

@@ -326,7 +326,7 @@ def synthetic_samples(mix: str, n: int, seed: int) -> Samples:
 
 
 def sample_costs(samples: Samples, args) -> np.ndarray:
-    from reorder.batch.cost import CostModel
+    from reorder.plan.cost import CostModel
 
     if samples.field == "cost":
         if args.language_weight or args.encoder_weight != 1.0:

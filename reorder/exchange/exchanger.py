@@ -18,7 +18,7 @@ import torch
 
 from reorder.batch import packing
 from reorder.exchange.collectives import Collectives
-from reorder.batch.cost import CostModel
+from reorder.plan.cost import CostModel
 from reorder.plan.grid import Grid, check_global_batch
 from reorder.batch.layout import LayoutError, describe, field_at, grid_of, rebuild, unify
 from reorder.exchange import wire
@@ -151,7 +151,7 @@ class WindowExchanger:
             ids = batch.get("input_ids") if isinstance(batch, dict) else None
             if not isinstance(ids, torch.Tensor):
                 raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
-            per_sample, grid = self.cost.counts(ids, batch.get("attention_mask"), grid=grid_of(batch))
+            per_sample, grid = self.cost.counts(ids, batch.get("attention_mask"), grid_thw=grid_of(batch))
             placeholders, real, images, sq = per_sample
             layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
                                      batch_dims=self.batch_dims, image_counts=torch.from_numpy(images), grid_host=grid,

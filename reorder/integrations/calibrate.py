@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reorder.batch.cost import CostModel
+from reorder.plan.cost import CostModel
 
 FEATURES = ("patches", "square_patches", "tokens", "square_tokens", "images")
 

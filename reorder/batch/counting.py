@@ -1,0 +1,132 @@
+"""Counting a micro-batch: the per-sample integers of the cost (torch in, numpy out).
+
+From `input_ids` (and `attention_mask`): image placeholder tokens, real tokens, images (vision-start
+tokens) and, for the quadratic cost, the sum over images (runs of placeholders) of patches**2. On the
+host with numpy (no torch dispatch); on a device with a few kernels and one host copy, which also
+carries grid_thw when it lives there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def token_counts(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """Integer counts per sample: (placeholders, real_tokens, images), each int64 [B] on CPU."""
+    counts = count_samples(model, input_ids, attention_mask, squares=False)[0]
+    return torch.from_numpy(counts[0]), torch.from_numpy(counts[1]), torch.from_numpy(counts[2])
+
+
+def count_samples(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                  squares: bool | None = None, grid_thw: torch.Tensor | None = None) -> tuple:
+    """(int64 numpy [4, B]: placeholders, real tokens, images, square patches (0 unless `squares`,
+    default: encoder_quadratic_weight > 0), and `grid_thw` (any int tensor) as int64 numpy of its
+    shape, or None). Numpy for host tensors (no torch dispatch); on a device a few
+    kernels and ONE host copy for all of it (no other synchronization)."""
+    _check_inputs(model, input_ids, attention_mask)
+    squares = bool(model.encoder_quadratic_weight) if squares is None else squares
+    if input_ids.device.type == "cpu" and (attention_mask is None or attention_mask.device.type == "cpu"):
+        return _counts_numpy(model, input_ids, attention_mask, squares, grid_thw)
+    return _counts_torch(model, input_ids, attention_mask, squares, grid_thw)
+
+
+def _counts_numpy(model, input_ids, attention_mask, squares, grid_thw):
+    ids = input_ids.numpy()
+    out = np.zeros((4, len(ids)), dtype=np.int64)
+    placeholders = ids == model.image_token_id
+    placeholders.sum(axis=1, out=out[0])
+    (ids == model.vision_start_token_id).sum(axis=1, out=out[2])
+    if attention_mask is not None:
+        m = attention_mask if attention_mask.dtype != torch.bfloat16 else attention_mask.float()
+        (m.numpy() != 0).sum(axis=1, out=out[1])
+    if squares:
+        out[3] = _square_runs_numpy(placeholders) * model.spatial_merge_size ** 4
+    return out, None if grid_thw is None else grid_thw.to("cpu", torch.int64).numpy()
+
+
+def _counts_torch(model, input_ids, attention_mask, squares, grid_thw):
+    b = len(input_ids)
+    tokens = _token_pair(input_ids.device, model.image_token_id, model.vision_start_token_id)
+    hits = input_ids.unsqueeze(-1) == tokens  # [B, S, 2]: placeholder, vision start
+    parts = [hits.sum(dim=1).reshape(-1)]  # [B * 2], sample-major
+    if attention_mask is not None:
+        parts.append((attention_mask != 0).sum(dim=1))
+    if squares:
+        parts.append(_square_runs_torch(hits[..., 0]) * model.spatial_merge_size ** 4)
+    ride = grid_thw is not None and grid_thw.device == input_ids.device  # travels in the same host copy
+    if ride:
+        parts.append(grid_thw.reshape(-1).to(torch.int64))
+    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one host sync
+    out, at = np.zeros((4, b), dtype=np.int64), 2 * b
+    out[[0, 2]] = host[:at].reshape(b, 2).T
+    for row, present in ((1, attention_mask is not None), (3, squares)):
+        if present:
+            out[row], at = host[at:at + b], at + b
+    if grid_thw is None:
+        return out, None
+    return out, host[at:].reshape(tuple(grid_thw.shape)) if ride else grid_thw.to("cpu", torch.int64).numpy()
+
+
+def _check_inputs(model, input_ids, attention_mask):
+    """The cost fields are what counting can read: a [B, S] integer input_ids and, when given, an
+    attention_mask of the same [B, S] (any dtype whose nonzeros mark real tokens)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(getattr(input_ids, 'shape', ()))}: expected [B, S]")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids has dtype {input_ids.dtype}: it must hold integer token ids (torch.int64 or "
+                         "torch.int32); load the tokens as integers, not cast to a float dtype")
+    if attention_mask is None:
+        if model.language_weight > 0 or model.language_quadratic_weight > 0:
+            which = f"language_weight={model.language_weight}"
+            if model.language_quadratic_weight:
+                which += f", language_quadratic_weight={model.language_quadratic_weight}"
+            raise ValueError(f"attention_mask is missing but {which}: load attention_mask on every rank or "
+                             "set the language cost weights to 0")
+    elif attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected "
+                         f"[B, S] = {tuple(input_ids.shape)} for the language cost")
+
+
+def square_patches(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """int64 [B] on CPU: sum over the sample's images (runs of placeholder tokens) of patches**2."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [B, S]")
+    merge4 = model.spatial_merge_size ** 4
+    m = input_ids == model.image_token_id
+    if m.device.type == "cpu":
+        return torch.from_numpy(_square_runs_numpy(m.numpy()) * merge4)
+    return (_square_runs_torch(m) * merge4).cpu()
+
+
+_TOKENS = {}  # (device, image_token_id, vision_start_token_id) -> int64 [2] on that device
+
+
+def _token_pair(device, image_token_id: int, vision_start_token_id: int) -> torch.Tensor:
+    """The two token ids as a tensor on `device`, made once (no host-to-device copy per call)."""
+    key = (device, image_token_id, vision_start_token_id)
+    t = _TOKENS.get(key)
+    if t is None:
+        t = _TOKENS[key] = torch.tensor([image_token_id, vision_start_token_id], device=device)
+    return t
+
+
+def _square_runs_numpy(m: np.ndarray) -> np.ndarray:
+    """int64 [B]: per row of the bool [B, S] `m`, the sum over runs of True of (run length)**2, as
+    the sum over run positions k = 0, 1, ... of 2k + 1 (no run list, no data-dependent shapes)."""
+    b, s = m.shape
+    start = m.copy()
+    start[:, 1:] &= ~m[:, :-1]
+    idx = np.arange(s, dtype=np.int64)
+    run_start = np.maximum.accumulate(np.where(start, idx, 0), axis=1)
+    return np.where(m, 2 * (idx - run_start) + 1, 0).sum(axis=1, dtype=np.int64)
+
+
+def _square_runs_torch(m: torch.Tensor) -> torch.Tensor:
+    """`_square_runs_numpy` on m's device, with no host synchronization."""
+    b, s = m.shape
+    start = m.clone()
+    start[:, 1:] &= ~m[:, :-1]
+    idx = torch.arange(s, device=m.device, dtype=torch.int64)
+    run_start = torch.where(start, idx, 0).cummax(dim=1).values
+    return torch.where(m, 2 * (idx - run_start) + 1, 0).sum(dim=1)
