@@ -10,8 +10,10 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+import faults
 from reorder import plan_orders
-from reorder.plan.balancers import BALANCERS, balanced, exact, get_balancer, lower_bound, lpt, quick_lower_bound
+from reorder.plan.balancers import (BALANCERS, balanced, check_costs, exact, get_balancer, lower_bound, lpt,
+                                    quick_lower_bound)
 from spec import reference as ref
 
 def needs_scipy(fn):  # scipy is part of the `test` extra: exact() must be tested, never skipped
@@ -116,17 +118,35 @@ def test_balanced_large_vlm_batches(seed):
         assert got <= bound * 1.01, (groups, m, got / bound)
 
 
-def test_balanced_rejects_bad_input():
-    with pytest.raises(ValueError, match="multiple of G"):
-        balanced(np.ones(6), 4)
-    with pytest.raises(ValueError, match="finite and >= 0"):
-        balanced(np.array([1.0, np.nan, 2, 3]), 2)
-    with pytest.raises(ValueError, match="finite and >= 0"):
-        balanced(np.array([1.0, -1, 2, 3]), 2)
-    with pytest.raises(ValueError, match="shape"):
-        balanced(np.ones((2, 4)), 2)
-    with pytest.raises(ValueError, match="groups"):
-        balanced(np.ones(4), 0)
+@pytest.mark.parametrize("case", faults.cases("balancers"), ids=faults.name)
+@pytest.mark.parametrize("balancer", sorted(BALANCERS))
+def test_every_balancer_and_plan_orders_refuse_bad_costs(balancer, case):
+    """NaN, negative, B not a multiple of G, costs not 1-D, groups < 1 or not an integer: every
+    balancer and plan_orders raise the ValueError of the one shared check (naming the argument and
+    the value), never an IndexError or a plan."""
+    costs, groups = case.params["costs"], case.params["groups"]
+    on_balancer, on_plan = case.sees
+    with pytest.raises(ValueError) as e:
+        BALANCERS[balancer](costs, groups)
+    on_balancer.check(e.value)
+    with pytest.raises(ValueError) as e:
+        plan_orders(np.asarray(costs)[None], groups, balancer)
+    on_plan.check(e.value)
+
+
+@pytest.mark.parametrize("case", faults.cases("balancers"), ids=faults.name)
+@pytest.mark.parametrize("fn", [check_costs, lower_bound, quick_lower_bound, exact], ids=lambda f: f.__name__)
+def test_bounds_and_exact_refuse_bad_costs_with_the_same_check(fn, case):
+    with pytest.raises(ValueError) as e:
+        fn(case.params["costs"], case.params["groups"])
+    case.sees[0].check(e.value)
+
+
+def test_groups_must_be_a_true_integer():
+    for groups in (True, np.float64(2.0), "2"):
+        with pytest.raises(ValueError, match=r"^groups=.* is invalid: the canonical grid G must be an integer >= 1$"):
+            check_costs(np.ones(4), groups)
+    assert check_costs([1, 2], np.int64(2)).dtype == np.float64  # numpy integers are integers
 
 
 def test_balanced_is_registered_and_plannable():

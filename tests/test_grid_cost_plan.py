@@ -34,7 +34,7 @@ class Golden(TestCase):
         self.assertExpectedInline(str(e.exception), """canonical grid G=6 is not a multiple of dp=4: G must be the lcm of all module DP sizes""")
         with self.assertRaises(ValueError) as e:
             plan_orders(np.zeros((1, 10)), 4)
-        self.assertExpectedInline(str(e.exception), """global micro-batch size B=10 is not a positive multiple of the canonical grid G=4: choose B as a multiple of lcm(DP sizes)""")
+        self.assertExpectedInline(str(e.exception), """costs holds B=10 samples per slot, not a positive multiple of groups=4: every group holds B/G samples, so choose B as a multiple of G = lcm(DP sizes)""")
         with self.assertRaises(ValueError) as e:
             Grid(groups=4, dp=2, rank=2)
         self.assertExpectedInline(str(e.exception), """rank=2 is out of range for dp=2""")

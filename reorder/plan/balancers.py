@@ -24,9 +24,34 @@ import operator
 import numpy as np
 
 
+def check_costs(costs, groups, *, slots: bool = False) -> np.ndarray:
+    """The input check of every balancer, the bounds, `exact` and `plan_orders` (one function, so they
+    all refuse the same inputs with the same words): `costs` as contiguous float64, shape [B] (with
+    `slots`, [W, B]: one row per micro-batch), after checking that `groups` is an integer >= 1, B a
+    positive multiple of it and every cost finite and >= 0. Else a ValueError naming the argument and
+    the value."""
+    c = np.ascontiguousarray(costs, dtype=np.float64)
+    if c.ndim != (2 if slots else 1):
+        want = "[slots, B], one row of per-sample costs per micro-batch" if slots else \
+            "one cost per sample, shape [B]"
+        raise ValueError(f"costs has shape {c.shape}: expected {want}")
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
+        raise ValueError(f"groups={groups!r} is invalid: the canonical grid G must be an integer >= 1")
+    n = c.shape[-1]
+    if n == 0 or n % groups:
+        raise ValueError(f"costs holds B={n} samples{' per slot' if slots else ''}, not a positive multiple of "
+                         f"groups={int(groups)}: every group holds B/G samples, so choose B as a multiple of "
+                         f"G = lcm(DP sizes)")
+    if c.size and not (c.min() >= 0 and c.max() < math.inf):      # NaN fails the first test
+        bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(c) | (c < 0))[0]), c.shape)
+        where = ", ".join(str(int(i)) for i in bad)
+        raise ValueError(f"costs[{where}] is {float(c[bad])!r}: every sample cost must be finite and >= 0")
+    return c
+
+
 def identity(costs: np.ndarray, groups: int) -> np.ndarray:
     """The natural assignment: nothing moves."""
-    return np.arange(len(costs), dtype=np.int64)
+    return np.arange(len(check_costs(costs, groups)), dtype=np.int64)
 
 
 def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
@@ -35,7 +60,7 @@ def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
     Visit samples by (-cost, index); each goes to the non-full group with the smallest
     (load, group index); canonical order = groups in order, members in insertion order.
     """
-    c = np.asarray(costs, dtype=np.float64)
+    c = check_costs(costs, groups)
     visit = np.argsort(-c, kind="stable")  # (-cost, index)
     grp = np.asarray(_lpt_run(c, groups, visit, True)[1], dtype=np.int64)  # group of visit[k]
     return visit[np.argsort(grp, kind="stable")].astype(np.int64)  # groups in order, insertion order
@@ -68,21 +93,6 @@ _EXHAUSTIVE_B = 10    # B at or below: every partition is tried, the max load is
 _EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
 _FILTER_MIN_P = 1000  # re-splits of two groups over at least this many partitions filter by approximate loads
 _FILTER_TOL = 1e-11   # the filter's margin, relative to the row total: far above its approximation error
-
-
-def _checked_costs(costs, groups: int) -> np.ndarray:
-    c = np.ascontiguousarray(costs, dtype=np.float64)
-    if c.ndim != 1:
-        raise ValueError(f"costs has shape {c.shape}: expected one cost per sample, shape [B]")
-    if not isinstance(groups, (int, np.integer)) or groups < 1:
-        raise ValueError(f"groups={groups!r} is invalid: the canonical grid G must be an integer >= 1")
-    if len(c) == 0 or len(c) % groups:
-        raise ValueError(f"B={len(c)} samples cannot be split into G={groups} equal groups: "
-                         f"B must be a positive multiple of G")
-    if not (c.min() >= 0 and c.max() < math.inf):      # NaN fails the first test
-        bad = int(np.flatnonzero(~np.isfinite(c) | (c < 0))[0])
-        raise ValueError(f"cost of sample {bad} is {c[bad]!r}: costs must be finite and >= 0")
-    return c
 
 
 def _row_sums(C: np.ndarray) -> np.ndarray:
@@ -252,7 +262,7 @@ def _cheap_lower_bound(s: np.ndarray, groups: int, m: int) -> float:
 def quick_lower_bound(costs, groups: int) -> float:
     """A proven lower bound on the minimal max group load in O(B log B) (`lower_bound` is tighter
     and O(B*G))."""
-    c = _checked_costs(costs, groups)
+    c = check_costs(costs, groups)
     m = len(c) // groups
     s = np.sort(c)[::-1]
     return float(s[0]) if m == 1 else _cheap_lower_bound(s, groups, m)
@@ -266,7 +276,7 @@ def lower_bound(costs, groups: int) -> float:
     groups with u*m slots, u <= min(t, G), the free slots holding at least the smallest costs; for
     m == 2 the exact optimum. O(B*G) time and memory.
     """
-    c = _checked_costs(costs, groups)
+    c = check_costs(costs, groups)
     n, G = len(c), groups
     m = n // G
     s = np.sort(c)[::-1]
@@ -690,7 +700,7 @@ def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
     stays in its group keeps its relative order, and a rank whose samples all stay holds them exactly
     as before (the order does not depend on how the search visited them).
     """
-    c = _checked_costs(costs, groups)
+    c = check_costs(costs, groups)
     n, G = len(c), int(groups)
     m = n // G
     if G == 1 or m == 1:
@@ -768,7 +778,7 @@ def exact(costs: np.ndarray, groups: int, *, fewest_moves: bool = True,
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
-    c = _checked_costs(costs, groups)
+    c = check_costs(costs, groups)
     n, G = len(c), int(groups)
     m = n // G
     if G == 1 or m == 1:

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from reorder.plan.balancers import get_balancer, lower_bound, quick_lower_bound
-from reorder.plan.grid import check_global_batch
+from reorder.plan.balancers import check_costs, get_balancer, lower_bound, quick_lower_bound
 
 
 def plan_orders(costs: np.ndarray, groups: int, balancer: str = "lpt") -> np.ndarray:
-    """int64 [W, B] canonical orders for float64 costs [W, B]; each slot is planned on its own (I7)."""
-    costs = np.asarray(costs, dtype=np.float64)
-    if costs.ndim != 2:
-        raise ValueError(f"costs has shape {costs.shape}: expected [slots, B]")
-    check_global_batch(costs.shape[1], groups)
+    """int64 [W, B] canonical orders for float64 costs [W, B]; each slot is planned on its own (I7).
+    Bad costs or groups raise the balancers' ValueError (`check_costs`), naming the slot and sample."""
+    costs = check_costs(costs, groups, slots=True)
     fn = get_balancer(balancer)
     out = np.empty(costs.shape, dtype=np.int64)
     for s in range(costs.shape[0]):
