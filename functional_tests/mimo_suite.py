@@ -13,8 +13,9 @@ runs a sample, never its activations.
 Tests (launch with torchrun; every rank runs the same test):
   parity     colocated dp 2: reorder off vs on, iteration-1 loss difference, per-micro-batch image
              token sums over ranks, then --iters iterations: loss curves within --tolerance
-  resume     colocated dp 2, reorder on: checkpoint after k iterations (model, optimizer, sampler
-             state), resume in fresh objects, next iterations must equal the continuous run bit for bit
+  resume     colocated dp 2, reorder on: checkpoint after k iterations (model, optimizer, and the
+             state of the buffer wrap returns: what training consumed), resume in fresh objects with
+             the data source rebuilt from it, next iterations must equal the continuous run bit for bit
   soak       colocated dp 2: --iters iterations per combo of --windows x --overlaps x --weights;
              sample accounting exact (every sample of every global micro-batch seen once, on the rank
              the reference plan says), no hang, no error
@@ -270,7 +271,7 @@ def build_model(args, enc_grid, lang_grid, embd, device):
 class Run:
     """One colocated training run: model reset to the initial weights, fresh Adam, fresh data pipeline."""
 
-    def __init__(self, args, env, cfg: ReorderConfig, *, iters, consumed=0, state=None):
+    def __init__(self, args, env, cfg: ReorderConfig, *, iters, state=None):
         self.args, self.env, self.cfg = args, env, cfg
         model = env["model"]
         model.load_state_dict(env["init_state"])
@@ -279,18 +280,19 @@ class Run:
             p.grad = torch.zeros_like(p)
         self.opt = torch.optim.Adam(self.params, lr=args.lr)
         dp, rank = env["dp"], env["dp_rank"]
-        self.sampler = CanonicalBatchSampler(len(env["ds"]), args.global_batch, dp=dp, rank=rank, grid=dp,
-                                             mode="cyclic", seed=args.seed)
+        fields = rm.fields_to_load([ENC, LANG], 0, cfg)
+
+        def source(consumed_samples):  # this rank's micro-batches from `consumed_samples` on
+            sampler = CanonicalBatchSampler(len(env["ds"]), args.global_batch, dp=dp, rank=rank, grid=dp,
+                                            mode="cyclic", seed=args.seed, consumed_samples=consumed_samples)
+            return rank_source(env["ds"], sampler, fields, env["device"])
+
+        self.it = rm.wrap(source, config=cfg, module=LANG, grids=env["grids"], global_batch=args.global_batch,
+                          fixed_width_padding=True, device=env["device"], timeout=datetime.timedelta(seconds=120))
         if state is not None:
             model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])
-            self.sampler.load_state_dict(state["sampler"])
-            consumed = state["sampler"]["consumed_samples"]
-        self.consumed = consumed
-        fields = rm.fields_to_load([ENC, LANG], 0, cfg)
-        src = rank_source(env["ds"], self.sampler, fields, env["device"])
-        self.it = rm.wrap(src, config=cfg, module=LANG, grids=env["grids"], global_batch=args.global_batch,
-                          fixed_width_padding=True, device=env["device"], timeout=datetime.timedelta(seconds=120))
+            self.it.load_state_dict(state["data"])  # the source is built from its consumed_samples
         self.iters = iters
         self.losses, self.ids, self.img_tokens = [], [], []
 
@@ -317,7 +319,6 @@ class Run:
         for p, g in zip(self.params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in self.params])):
             p.grad.copy_(g)
         self.opt.step()
-        self.consumed += args.micro_batches * args.global_batch
         self.losses.append(total)
         return total
 
@@ -327,14 +328,12 @@ class Run:
         return self
 
     def checkpoint(self):
-        sampler = self.sampler.state_dict()
-        sampler["consumed_samples"] = self.consumed  # what training consumed, not what the loader read ahead
         return {"model": copy.deepcopy(self.env["model"].state_dict()),
-                "optimizer": copy.deepcopy(self.opt.state_dict()), "sampler": sampler}
+                "optimizer": copy.deepcopy(self.opt.state_dict()),
+                "data": self.it.state_dict()}  # what training consumed, not what the loader read ahead
 
     def close(self):
-        if hasattr(self.it, "close"):
-            self.it.close()
+        self.it.close()
 
 
 def reorder_cfg(on, *, window=1, overlap=True, weight=0.0, balancer=None):
@@ -437,9 +436,9 @@ def test_resume(args, env):
         return {}
     exact = resumed.losses == cont.losses[k:]
     return {"test": "resume", "ok": bool(exact), "window": cfg.window_size, "overlap": cfg.overlap,
-            "checkpoint_at": k, "consumed_samples": state["sampler"]["consumed_samples"],
-            "epoch_at_resume": state["sampler"]["consumed_samples"] // (len(env["ds"]) // args.global_batch
-                                                                        * args.global_batch),
+            "checkpoint_at": k, "consumed_samples": state["data"]["consumed_samples"],
+            "epoch_at_resume": state["data"]["consumed_samples"] // (len(env["ds"]) // args.global_batch
+                                                                     * args.global_batch),
             "continuous": cont.losses[k:], "resumed": resumed.losses,
             "max_abs_diff": max(abs(a - b) for a, b in zip(resumed.losses, cont.losses[k:])), "accounting": acc}
 

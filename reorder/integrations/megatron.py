@@ -212,6 +212,12 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     (`with wrap(...) as batches:`; `close()` stops the overlap thread). A rank that loads nothing
     passes None and gets None back when reordering is off (Megatron tests `data_iterator is not None`).
 
+    data_iterator: this rank's micro-batch iterator, or, to be able to resume, a factory
+      `consumed_samples -> iterable` that builds it from that many consumed global samples on (e.g. a
+      DataLoader over a CanonicalBatchSampler built with `consumed_samples=`); it is called at the
+      first `next()`. The result's `state_dict()` counts what training consumed (micro-batches served,
+      not those the loader or the overlap thread read ahead); `load_state_dict(state)` before the first
+      `next()` resumes there (torch.distributed.checkpoint's Stateful protocol).
     config: a ReorderConfig, or any object / mapping carrying the `megatron_mimo_*` fields.
     module: the module whose DP group this iterator feeds (a colocated rank passes either name: its
       modules must then share DP groups). grids: {module: HyperCommGrid or DP rank lists} for every
@@ -228,12 +234,12 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     if not cfg.enabled:
         from reorder.runtime.buffer import PassThroughBuffer
 
-        return None if data_iterator is None else PassThroughBuffer(data_iterator)
+        return None if data_iterator is None else PassThroughBuffer(data_iterator, micro_batch_size=global_batch)
     import torch
     import torch.distributed as dist
 
     from reorder.runtime.buffer import ReorderingBuffer
-    from reorder.batch.cost import CostModel
+    from reorder.plan.cost import CostModel
     from reorder.exchange.dist import build_groups
     from reorder.exchange.exchanger import WindowExchanger
 
@@ -269,5 +275,5 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
                          device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot, min_gain=cfg.min_gain,
                          min_saving=cfg.min_saving, gate_backoff=cfg.gate_backoff,
                          early_copy=not cfg.overlap)  # synchronous: copy early
-    return ReorderingBuffer(iter(data_iterator), ex, overlap=cfg.overlap, log_every=log_every,
+    return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
                             ahead=cfg.overlap_ahead)

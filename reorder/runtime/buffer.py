@@ -16,16 +16,22 @@ on `close()` / context-manager exit. Windows the gate backoff skips have nothing
 worker hands each run of them to the consumer, which reads and passes them through itself (a thread
 hand-off per window costs more than the window, and the training thread would lose the GIL to the
 worker for it), then resumes the worker for the next planned window while it consumes the last one.
+
+Checkpoints: `state_dict()` / `load_state_dict()` (torch.distributed.checkpoint's Stateful protocol)
+count the micro-batches served to the caller; a source given as a factory `consumed_samples ->
+iterable` is built at the first `next()`, at the resume point (`_Consumption`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import os
 import queue
 import threading
 from collections import deque
+from collections.abc import Mapping
 
 import torch
 
@@ -47,8 +53,106 @@ def check_overlap_allowed(device) -> None:
                          "(--no-overlap-intra-microbatch-reorder) or unset CUDA_DEVICE_MAX_CONNECTIONS")
 
 
-class ReorderingBuffer:
-    """Iterator of reordered micro-batches over `source` (this rank's micro-batch iterator).
+def _is_factory(source) -> bool:
+    """A source given as `consumed_samples -> iterable` rather than as an iterable."""
+    return callable(source) and not hasattr(source, "__iter__") and not hasattr(source, "__next__")
+
+
+class _Deferred:
+    """The source a factory builds, on its first read: at the resume point, if any."""
+
+    def __init__(self, factory, owner):
+        self._factory, self._owner, self._it = factory, owner, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._it is None:
+            self._it = iter(self._factory(self._owner._start_samples))
+        return next(self._it)
+
+
+class _Consumption:
+    """What training consumed, as a checkpoint: the micro-batches served to the caller by `next()`,
+    never those read from the source (a DataLoader with workers, and the overlap thread, read ahead).
+
+    `state_dict()` / `load_state_dict()` follow the Stateful protocol of torch.distributed.checkpoint,
+    so the buffer can sit in the state dict handed to `dcp.save` / `dcp.load`. The state is global
+    (the same on every rank of every module at a step boundary): the consumed micro-batches, B, and
+    consumed_samples = consumed micro-batches x B.
+
+    Resuming needs the source as a factory: `consumed_samples -> iterable` of this rank's micro-batches
+    from that many consumed global samples on (e.g. a DataLoader whose CanonicalBatchSampler is built
+    with `consumed_samples=`). It is called at the first `next()`, after `load_state_dict`, with the
+    start of the window the checkpoint fell in (a multiple of W micro-batches); the buffer exchanges
+    that window again and drops the micro-batches consumed before the checkpoint, so every window,
+    and every plan, is the continuous run's. One exception: the gate backoff's schedule (which windows
+    it skips) starts afresh, so with gate_backoff > 0 a micro-batch after the resume point may be planned
+    where the continuous run kept it natural, or the reverse (the same samples either way).
+    """
+
+    def _consumption(self, source, micro_batch_size: int, window_size: int):
+        self.consumed_micro_batches = 0
+        self.micro_batch_size = micro_batch_size
+        self._resume_window = window_size
+        self._start_samples = 0  # where the factory builds the source
+        self._discard = 0  # micro-batches of the first window consumed before the checkpoint
+        self._begun = False
+        self._factory = source if _is_factory(source) else None
+        return iter(source) if self._factory is None else _Deferred(source, self)
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples consumed: what a sampler built for the rest of the run takes."""
+        return self.consumed_micro_batches * self.micro_batch_size
+
+    def state_dict(self) -> dict:
+        return {"consumed_micro_batches": self.consumed_micro_batches, "consumed_samples": self.consumed_samples,
+                "micro_batch_size": self.micro_batch_size}
+
+    def load_state_dict(self, state) -> None:
+        """Resume where `state` (a `state_dict()`) was taken; only before the first `next()`. The
+        source must be a factory (an iterator cannot be repositioned) unless nothing was consumed."""
+        if self._begun:
+            raise RuntimeError("load_state_dict after iteration started: call it before the first next(), so "
+                               "the source is built at the resume point")
+        if not isinstance(state, Mapping) or "consumed_micro_batches" not in state:
+            raise ValueError(f"state {state!r} has no 'consumed_micro_batches': give what state_dict() returned")
+        n, b = state["consumed_micro_batches"], state.get("micro_batch_size", self.micro_batch_size)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"consumed_micro_batches={n!r} in the state: must be an integer >= 0")
+        if b != self.micro_batch_size:
+            raise ValueError(f"micro_batch_size={b!r} in the state does not match this run's micro_batch_size="
+                             f"{self.micro_batch_size}: every global micro-batch would hold other samples")
+        if state.get("consumed_samples", n * b) != n * b:
+            raise ValueError(f"consumed_samples={state['consumed_samples']!r} in the state is not "
+                             f"consumed_micro_batches x micro_batch_size = {n * b}")
+        if n and self._factory is None:
+            raise ValueError(f"cannot resume after {n} consumed micro-batches from an iterator, which cannot be "
+                             "repositioned: give the source as a factory `consumed_samples -> iterable` (e.g. "
+                             "building the sampler with consumed_samples=...) instead of an iterator")
+        n = int(n)
+        start = n // self._resume_window * self._resume_window
+        self.consumed_micro_batches, self._discard, self._start_samples = n, n - start, start * b
+
+    def _begin(self):
+        self._begun = True
+
+    def __next__(self):
+        if not self._begun:
+            self._begin()
+        while self._discard:
+            self._next_micro_batch()  # consumed before the checkpoint: exchanged again, not served
+            self._discard -= 1
+        mb = self._next_micro_batch()
+        self.consumed_micro_batches += 1
+        return mb
+
+
+class ReorderingBuffer(_Consumption):
+    """Iterator of reordered micro-batches over `source` (this rank's micro-batch iterator, or a
+    factory `consumed_samples -> iterable` that a resume rebuilds it with: see `load_state_dict`).
 
     exchanger: this rank's WindowExchanger (window size W = exchanger.window_size); with overlap it
     must be bound to the side process groups and is used only by the worker thread.
@@ -60,7 +164,7 @@ class ReorderingBuffer:
                  get_timeout: float = 1.0, ahead: int = 1):
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead={ahead!r} is invalid: windows prepared ahead of the consumer must be an integer >= 1")
-        self._source = iter(source)
+        self._source = self._consumption(source, exchanger.global_batch, exchanger.window_size)
         self._ex = exchanger
         self.ahead = ahead
         self._ready: deque = deque()
@@ -79,8 +183,8 @@ class ReorderingBuffer:
             self._slots = threading.Semaphore(ahead)  # one per window queued or being prepared
             self._stop = threading.Event()
             self._inline_done = threading.Event()  # the consumer has exchanged the run of skipped windows
-            self._thread = threading.Thread(target=self._worker, name="reorder-overlap", daemon=True)
-            self._thread.start()
+            if self._factory is None:  # a factory's source is built at the first next(), after any resume
+                self._start_worker()
 
     # ---- shared ----------------------------------------------------------------------------
 
@@ -114,7 +218,16 @@ class ReorderingBuffer:
     def __iter__(self):
         return self
 
-    def __next__(self):
+    def _begin(self):
+        super()._begin()
+        if self.overlap and self._thread is None and not self._done:
+            self._start_worker()
+
+    def _start_worker(self):
+        self._thread = threading.Thread(target=self._worker, name="reorder-overlap", daemon=True)
+        self._thread.start()
+
+    def _next_micro_batch(self):
         if self._ready:
             return self._take()
         if self._done:
@@ -270,16 +383,19 @@ class ReorderingBuffer:
         return self._thread is not None and self._thread.is_alive()
 
 
-class PassThroughBuffer:
+class PassThroughBuffer(_Consumption):
     """What `reorder.integrations.megatron.wrap` returns with reordering off: the source's micro-batches
     unchanged, behind the interface of ReorderingBuffer (iterator, context manager, `close()`,
-    `reports` (always empty), `last_report` (None)), so a training loop holds one type either way."""
+    `reports` (always empty), `last_report` (None), `state_dict` / `load_state_dict`), so a training
+    loop holds one type either way. micro_batch_size: B, for `consumed_samples`."""
 
     overlap = False
     worker_alive = False
 
-    def __init__(self, source):
-        self._source = iter(source)
+    def __init__(self, source, *, micro_batch_size: int):
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size!r}: must be an integer >= 1")
+        self._source = self._consumption(source, micro_batch_size, 1)
         self.reports: deque = deque(maxlen=1000)
         self._done = False
 
@@ -290,7 +406,7 @@ class PassThroughBuffer:
     def __iter__(self):
         return self
 
-    def __next__(self):
+    def _next_micro_batch(self):
         if self._done:
             raise StopIteration
         try:
