@@ -165,3 +165,41 @@ def test_add_reorder_args_is_an_extra_args_provider():
     parser = argparse.ArgumentParser()
     assert add_reorder_args(parser) is parser
     assert "intra-micro-batch reorder" in [g.title for g in parser._action_groups]  # the flags' own help section
+
+
+def test_token_id_flags():
+    c = ReorderConfig.from_args(parse(["--reorder-image-token-id", "151655", "--reorder-vision-start-token-id",
+                                       "151652", "--reorder-spatial-merge-size", "4"]))
+    assert (c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == (151655, 151652, 4)
+    with pytest.raises(ValueError, match="spatial_merge_size=0: must be an integer >= 1"):
+        ReorderConfig.from_args(parse(["--reorder-spatial-merge-size", "0"]))
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("Qwen2VLConfig", (151655, 151652, 2)),
+    ("Qwen2_5_VLConfig", (151655, 151652, 2)),
+    ("Qwen3VLConfig", (151655, 151652, 2)),
+    ("Qwen3_5Config", (248056, 248053, 2)),
+])
+def test_from_hf_config_reads_the_real_transformers_configs(monkeypatch, name, expected):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the config classes are built locally, never downloaded
+    import transformers  # a test-only dependency (the `test` extra)
+
+    cls = getattr(transformers, name)
+    c = ReorderConfig.from_hf_config(cls())
+    assert (c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == expected
+    custom = cls(image_token_id=7, vision_start_token_id=5, vision_config={"spatial_merge_size": 4})
+    source = argparse.Namespace(**vars(parse(["--intra-microbatch-reorder", "--reorder-window-size", "2"])))
+    c = ReorderConfig.from_hf_config(custom, source, balancer="lpt")
+    assert (c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == (7, 5, 4)  # over the flag defaults
+    assert (c.enabled, c.window_size, c.balancer) == (True, 2, "lpt")
+    assert ReorderConfig.from_hf_config(custom, image_token_id=9).image_token_id == 9
+
+
+def test_from_hf_config_refuses_a_config_without_the_ids():
+    import transformers
+    with pytest.raises(ValueError, match=r"Qwen2Config has no image_token_id, vision_start_token_id, "
+                                         r"vision_config.spatial_merge_size: not a Qwen-VL-style config"):
+        ReorderConfig.from_hf_config(transformers.Qwen2Config())
+    assert ReorderConfig.from_hf_config({"image_token_id": 3, "vision_start_token_id": 4,
+                                         "vision_config": {"spatial_merge_size": 1}}).spatial_merge_size == 1

@@ -136,6 +136,26 @@ class ReorderConfig:
         """Build from a namespace parsed with `add_reorder_args` (its dests are the field names)."""
         return cls.from_object(namespace)
 
+    @classmethod
+    def from_hf_config(cls, hf_config, source=None, **overrides) -> "ReorderConfig":
+        """The model's token ids and merge size from a transformers config (Qwen2-VL, Qwen2.5-VL,
+        Qwen3-VL, Qwen3.5: `image_token_id`, `vision_start_token_id`, `vision_config.spatial_merge_size`),
+        every other field from `source` (read as `from_object` does: a dataset config, parsed flags, a
+        mapping) or its default. They win over `source`; keyword `overrides` win over both."""
+        def get(obj, name):
+            return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+
+        kind = type(hf_config).__name__
+        vision = get(hf_config, "vision_config")
+        found = {"image_token_id": get(hf_config, "image_token_id"),
+                 "vision_start_token_id": get(hf_config, "vision_start_token_id"),
+                 "spatial_merge_size": None if vision is None else get(vision, "spatial_merge_size")}
+        missing = [("vision_config." if k == "spatial_merge_size" else "") + k for k, v in found.items() if v is None]
+        if missing:
+            raise ValueError(f"{kind} has no {', '.join(missing)}: not a Qwen-VL-style config; set "
+                             f"{', '.join(k for k, v in found.items() if v is None)} yourself")
+        return cls.from_object({} if source is None else source, **{**found, **overrides})
+
 
 class _EnableReorder(argparse.Action):
     """--intra-microbatch-reorder: turn reordering on, and scalable reads with it."""
@@ -194,6 +214,14 @@ def add_reorder_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "min(2^(k-1), N) windows without planning or communicating (0: off)")
     g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
+    g.add_argument("--reorder-image-token-id", dest="image_token_id", type=int, default=d.image_token_id,
+                   help="the image placeholder token (the HF config's image_token_id; default Qwen3.5's)")
+    g.add_argument("--reorder-vision-start-token-id", dest="vision_start_token_id", type=int,
+                   default=d.vision_start_token_id,
+                   help="the token that opens each image (vision_start_token_id; default Qwen3.5's)")
+    g.add_argument("--reorder-spatial-merge-size", dest="spatial_merge_size", type=int,
+                   default=d.spatial_merge_size,
+                   help="patches merged per placeholder along each side (vision_config.spatial_merge_size)")
     return parser
 
 
