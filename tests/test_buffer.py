@@ -149,3 +149,27 @@ def test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_w
             next(buf)
     assert len(got) == 4 and not buf.worker_alive
     buf.close()
+
+
+@pytest.mark.parametrize("all_ranks", [False, True])
+def test_log_every_names_module_and_rank_and_logs_on_dp_rank_0(caplog, all_ranks):
+    import logging
+
+    from reorder.exchange.collectives import run_emulated
+
+    rng = np.random.default_rng(5)
+    batches = [syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k) for k in range(4)]
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=4, cost=cost, collectives=coll)
+        with ReorderingBuffer((syn.rank_share(b, 2, r) for b in batches), ex, log_every=2, log_module="vision",
+                              log_all_ranks=all_ranks) as buf:
+            return len(list(buf))
+
+    with caplog.at_level(logging.INFO, logger="reorder"):
+        assert run_emulated(2, fn, timeout=30) == [4, 4]
+    lines = sorted(r.getMessage() for r in caplog.records if r.name == "reorder")
+    ranks = [0, 1] if all_ranks else [0]
+    assert [line.split(": spread")[0] for line in lines] == sorted(
+        f"vision dp rank {r} of 2, window {w}" for r in ranks for w in (2, 4))

@@ -206,7 +206,7 @@ def check_layout(grids: Mapping, *, pp_sizes: Mapping | None = None, fixed_width
 def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: int, fixed_width_padding,
          device=None, pp_sizes: Mapping | None = None, language_module: str = LANGUAGE,
          data_backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5),
-         log_every: int = 0, rank: int | None = None):
+         log_every: int = 0, log_all_ranks: bool = False, rank: int | None = None):
     """Turn this rank's micro-batch iterator into a ReorderingBuffer; with reordering off, into a
     PassThroughBuffer that yields the micro-batches unchanged. Both are iterators and context managers
     (`with wrap(...) as batches:`; `close()` stops the overlap thread). A rank that loads nothing
@@ -226,6 +226,8 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
       rank's iterator yields its contiguous B/dp share (scalable reads, CanonicalBatchSampler).
     fixed_width_padding: must be True (samples padded to one sequence length); False is refused.
     device: where the rank's batches live (CUDA -> NCCL payload exchange).
+    log_every: every N windows, log a metrics line to the logger "reorder" (INFO) naming the module
+      and the DP rank, from DP rank 0 of each module (every rank with log_all_ranks).
 
     Rejects encoder PP > 1, encoder dp > language dp, language dp not a multiple of encoder dp,
     no fixed-width padding, and a colocated rank whose modules have different DP groups.
@@ -276,4 +278,4 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
                          min_saving=cfg.min_saving, gate_backoff=cfg.gate_backoff,
                          early_copy=not cfg.overlap)  # synchronous: copy early
     return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
-                            ahead=cfg.overlap_ahead)
+                            ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks)

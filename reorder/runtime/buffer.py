@@ -156,12 +156,14 @@ class ReorderingBuffer(_Consumption):
 
     exchanger: this rank's WindowExchanger (window size W = exchanger.window_size); with overlap it
     must be bound to the side process groups and is used only by the worker thread.
-    log_every: log a metrics line every N windows (0 = never). `reports` keeps the last 1000
-    WindowReports; `last_report` the newest.
+    log_every: log a metrics line every N windows (0 = never) to the logger "reorder" (INFO), on DP
+    rank 0 only unless log_all_ranks; the line names `log_module` (the module) and the DP rank.
+    `reports` keeps the last 1000 WindowReports; `last_report` the newest.
     """
 
     def __init__(self, source, exchanger: WindowExchanger, *, overlap: bool = False, log_every: int = 0,
-                 get_timeout: float = 1.0, ahead: int = 1):
+                 get_timeout: float = 1.0, ahead: int = 1, log_module: str | None = None,
+                 log_all_ranks: bool = False):
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead={ahead!r} is invalid: windows prepared ahead of the consumer must be an integer >= 1")
         self._source = self._consumption(source, exchanger.global_batch, exchanger.window_size)
@@ -170,6 +172,7 @@ class ReorderingBuffer(_Consumption):
         self._ready: deque = deque()
         self.reports: deque = deque(maxlen=1000)
         self.log_every = log_every
+        self.log_module, self.log_all_ranks = log_module, log_all_ranks
         self._done = False
         self._windows = 0
         self._thread = None
@@ -205,11 +208,12 @@ class ReorderingBuffer(_Consumption):
             return
         self.reports.append(report)
         self._windows += 1
-        if self.log_every and self._windows % self.log_every == 0:
-            log.info("reorder window %d: spread %.3f -> %.3f, moved %d/%d samples (%.1f MiB), plan %.2f ms, "
-                     "exchange %.2f ms", self._windows, report.spread_before, report.spread_after,
-                     report.moved_samples, report.total_samples, report.moved_bytes / 2**20, report.plan_ms,
-                     report.exchange_ms)
+        if self.log_every and self._windows % self.log_every == 0 and (self.log_all_ranks or self._ex.grid.rank == 0):
+            log.info("%sdp rank %d of %d, window %d: spread %.3f -> %.3f, moved %d/%d samples (%.1f MiB), "
+                     "plan %.2f ms, exchange %.2f ms", f"{self.log_module} " if self.log_module else "",
+                     self._ex.grid.rank, self._ex.grid.dp, self._windows, report.spread_before,
+                     report.spread_after, report.moved_samples, report.total_samples, report.moved_bytes / 2**20,
+                     report.plan_ms, report.exchange_ms)
 
     @property
     def last_report(self) -> WindowReport | None:
