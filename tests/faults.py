@@ -142,8 +142,8 @@ def _field(name, fn):
 NAN = float("nan")
 COSTS_RULE = "every sample cost must be finite and >= 0"
 GROUPS_RULE = "the canonical grid G must be an integer >= 1"
-IDS_RULE = "input_ids must hold integer token ids (int64/int32); got {}: collate input_ids as torch.long, " \
-           "never cast them to a float dtype"
+IDS_RULE = "input_ids has dtype {}: it must hold integer token ids (torch.int64 or torch.int32); load the " \
+           "tokens as integers, not cast to a float dtype"
 MASK_VALUES = "attention_mask holds {} at sample {}, token {}: expected a 0/1 mask (1 = real token, 0 = padding); " \
               "an additive mask (0 = attend, -inf = masked) converts with (attention_mask == 0)"
 

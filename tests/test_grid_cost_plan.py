@@ -9,7 +9,8 @@ from expecttest import TestCase
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reorder import CostModel, Grid, canonical_grid, plan_orders, rank_loads
+import faults
+from reorder import CostModel, Grid, ReorderError, WindowExchanger, canonical_grid, plan_orders, rank_loads, run_emulated
 from reorder.batch import counting
 from reorder.plan.balancers import lpt
 from spec import reference as ref
@@ -55,6 +56,48 @@ class Golden(TestCase):
         with self.assertRaises(ValueError) as e:
             CostModel().token_counts(torch.zeros(4, dtype=torch.long), None)
         self.assertExpectedInline(str(e.exception), """input_ids has shape (4,): expected [B, S]""")
+
+
+@pytest.mark.parametrize("case", faults.cases("cost"), ids=faults.name)
+def test_cost_model_refuses_bad_fields_on_every_rank(case):
+    """A wrong input_ids dtype (bfloat16 raised "Got unsupported ScalarType BFloat16", naming neither
+    the field nor the fix) or a bad attention_mask (dtype, shape, values other than 0/1) on one rank:
+    CostModel.counts raises a ValueError naming the field and the value, and in an exchange every
+    rank of the DP group raises the same ReorderError carrying it (run_emulated, dp 2)."""
+    shares = faults.rank_shares(2)
+    shares[1] = case.params["corrupt"](shares[1])
+    local, everywhere = case.sees
+    with pytest.raises(ValueError) as e:
+        CostModel().counts(shares[1]["input_ids"], shares[1]["attention_mask"])
+    local.check(e.value)
+
+    def rank(r, coll):
+        return WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=4, cost=CostModel(),
+                               collectives=coll).exchange([shares[r]])
+    out = run_emulated(2, rank, timeout=20, return_exceptions=True)
+    for got in out:
+        everywhere.check(got)
+    assert isinstance(out[0], ReorderError) and str(out[0]) == str(out[1])
+
+
+def test_every_counting_entry_checks_the_fields():
+    """token_counts, count_array and square_patches check input_ids too; the device path (run here on
+    CPU tensors) checks the mask values inside its one host copy; bool masks and float 0/1 masks pass."""
+    ids = torch.tensor([[5, 7, 7, 9]])
+    m = CostModel(image_token_id=7, vision_start_token_id=9)
+    for call in (lambda: m.token_counts(ids.float(), None), lambda: m.count_array(ids.half(), None),
+                 lambda: m.square_patches(ids.to(torch.bool))):
+        with pytest.raises(ValueError, match=r"^input_ids has dtype torch\.(float32|float16|bool): it must hold integer"):
+            call()
+    mask = torch.tensor([[1, 1, 2, 0]])
+    for path in (counting._counts_numpy, counting._counts_torch):
+        with pytest.raises(ValueError) as e:
+            path(m, ids, mask, False, None)
+        assert str(e.value) == faults.MASK_VALUES.format(2, 0, 2)
+        for ok in (mask.clamp(max=1).bool(), mask.clamp(max=1).to(torch.bfloat16), torch.tensor([[0.0, 1, 1, 0]])):
+            assert path(m, ids, ok, False, None)[0][1].tolist() == [int(ok.count_nonzero())]
+    with pytest.raises(ValueError, match=r"^attention_mask must be a \[B, S\] tensor; got list"):
+        m.token_counts(ids, [[1, 1, 1, 1]])
 
 
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())

@@ -38,8 +38,13 @@ def _counts_numpy(model, input_ids, attention_mask, squares, grid_thw):
     placeholders.sum(axis=1, out=out[0])
     (ids == model.vision_start_token_id).sum(axis=1, out=out[2])
     if attention_mask is not None:
-        m = attention_mask if attention_mask.dtype != torch.bfloat16 else attention_mask.float()
-        (m.numpy() != 0).sum(axis=1, out=out[1])
+        m = attention_mask if attention_mask.dtype not in _NO_NUMPY else attention_mask.float()
+        a = m.numpy()
+        real = a != 0
+        real.sum(axis=1, out=out[1])
+        if a.dtype != np.bool_ and a.size and not (  # a float NaN fails the comparison too
+                a.min() >= 0 and a.max() <= 1 if a.dtype.kind in "iu" else (a == real.astype(a.dtype)).all()):
+            raise _mask_values_error(attention_mask)
     if squares:
         out[3] = _square_runs_numpy(placeholders) * model.spatial_merge_size ** 4
     return out, None if grid_thw is None else grid_thw.to("cpu", torch.int64).numpy()
@@ -50,8 +55,12 @@ def _counts_torch(model, input_ids, attention_mask, squares, grid_thw):
     tokens = _token_pair(input_ids.device, model.image_token_id, model.vision_start_token_id)
     hits = input_ids.unsqueeze(-1) == tokens  # [B, S, 2]: placeholder, vision start
     parts = [hits.sum(dim=1).reshape(-1)]  # [B * 2], sample-major
+    check_mask = attention_mask is not None and attention_mask.dtype != torch.bool
     if attention_mask is not None:
-        parts.append((attention_mask != 0).sum(dim=1))
+        real = attention_mask != 0
+        parts.append(real.sum(dim=1))
+        if check_mask:  # 1 if any entry is not 0 or 1: rides in the same host copy
+            parts.append((attention_mask != real).any().reshape(1).to(torch.int64))
     if squares:
         parts.append(_square_runs_torch(hits[..., 0]) * model.spatial_merge_size ** 4)
     ride = grid_thw is not None and grid_thw.device == input_ids.device  # travels in the same host copy
@@ -60,22 +69,32 @@ def _counts_torch(model, input_ids, attention_mask, squares, grid_thw):
     host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one host sync
     out, at = np.zeros((4, b), dtype=np.int64), 2 * b
     out[[0, 2]] = host[:at].reshape(b, 2).T
-    for row, present in ((1, attention_mask is not None), (3, squares)):
-        if present:
-            out[row], at = host[at:at + b], at + b
+    if attention_mask is not None:
+        out[1], at = host[at:at + b], at + b
+        if check_mask:
+            if host[at]:
+                raise _mask_values_error(attention_mask)
+            at += 1
+    if squares:
+        out[3], at = host[at:at + b], at + b
     if grid_thw is None:
         return out, None
     return out, host[at:].reshape(tuple(grid_thw.shape)) if ride else grid_thw.to("cpu", torch.int64).numpy()
 
 
-def _check_inputs(model, input_ids, attention_mask):
-    """The cost fields are what counting can read: a [B, S] integer input_ids and, when given, an
-    attention_mask of the same [B, S] (any dtype whose nonzeros mark real tokens)."""
+def _check_input_ids(input_ids):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids has shape {tuple(getattr(input_ids, 'shape', ()))}: expected [B, S]")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids has dtype {input_ids.dtype}: it must hold integer token ids (torch.int64 or "
                          "torch.int32); load the tokens as integers, not cast to a float dtype")
+
+
+def _check_inputs(model, input_ids, attention_mask):
+    """The cost fields are what counting can read: a [B, S] integer input_ids and, when given, an
+    attention_mask of the same [B, S], bool, integer or float (its values, 0 or 1, are checked
+    while counting)."""
+    _check_input_ids(input_ids)
     if attention_mask is None:
         if model.language_weight > 0 or model.language_quadratic_weight > 0:
             which = f"language_weight={model.language_weight}"
@@ -83,15 +102,38 @@ def _check_inputs(model, input_ids, attention_mask):
                 which += f", language_quadratic_weight={model.language_quadratic_weight}"
             raise ValueError(f"attention_mask is missing but {which}: load attention_mask on every rank or "
                              "set the language cost weights to 0")
-    elif attention_mask.dim() != 2 or attention_mask.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: expected "
-                         f"[B, S] = {tuple(input_ids.shape)} for the language cost")
+    elif not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a [B, S] tensor; got {type(attention_mask).__name__}: give 1 for "
+                         "real tokens and 0 for padding, shape [B, S] like input_ids")
+    elif not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point
+              or attention_mask.dtype in _INTEGER):
+        raise ValueError(f"attention_mask must be a bool, integer or float 0/1 mask; got {attention_mask.dtype}: "
+                         "give 1 for real tokens and 0 for padding")
+    elif attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                         f"{tuple(input_ids.shape)}: give one mask entry per token, shape [B, S] like input_ids")
+
+
+_INTEGER = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+            *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))}
+_NO_NUMPY = {d for d in (torch.bfloat16, *(getattr(torch, n) for n in dir(torch) if n.startswith("float8_")))
+             if isinstance(d, torch.dtype)}
+
+
+def _mask_values_error(attention_mask) -> ValueError:
+    """The error for a mask holding values other than 0 and 1, naming the first one and where it is."""
+    m = attention_mask.detach().to("cpu")
+    m = m.double() if m.is_floating_point() else m
+    i, j = (int(x) for x in (m != (m != 0).to(m.dtype)).nonzero()[0])
+    value = m[i, j].item()
+    return ValueError(f"attention_mask holds {value!r} at sample {i}, token {j}: expected a 0/1 mask (1 = real "
+                      "token, 0 = padding); an additive mask (0 = attend, -inf = masked) converts with "
+                      "(attention_mask == 0)")
 
 
 def square_patches(model, input_ids: torch.Tensor) -> torch.Tensor:
     """int64 [B] on CPU: sum over the sample's images (runs of placeholder tokens) of patches**2."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [B, S]")
+    _check_input_ids(input_ids)
     merge4 = model.spatial_merge_size ** 4
     m = input_ids == model.image_token_id
     if m.device.type == "cpu":
