@@ -283,11 +283,12 @@ class Run:
         fields = rm.fields_to_load([ENC, LANG], 0, cfg)
 
         def source(consumed_samples):  # this rank's micro-batches from `consumed_samples` on
-            sampler = CanonicalBatchSampler(len(env["ds"]), args.global_batch, dp=dp, rank=rank, grid=dp,
-                                            mode="cyclic", seed=args.seed, consumed_samples=consumed_samples)
+            sampler = CanonicalBatchSampler(len(env["ds"]), args.global_batch, data_parallel_size=dp,
+                                            data_parallel_rank=rank, grid_size=dp, dataloader_type="cyclic",
+                                            seed=args.seed, consumed_samples=consumed_samples)
             return rank_source(env["ds"], sampler, fields, env["device"])
 
-        self.it = rm.wrap(source, config=cfg, module=LANG, grids=env["grids"], global_batch=args.global_batch,
+        self.it = rm.wrap(source, config=cfg, module=LANG, grids=env["grids"], micro_batch_size=args.global_batch,
                           fixed_width_padding=True, device=env["device"], timeout=datetime.timedelta(seconds=120))
         if state is not None:
             model.load_state_dict(state["model"])
@@ -375,7 +376,8 @@ def check_accounting(env, run, cfg, first_window=0):
     if dist.get_rank():
         return {}
     dp, B = env["dp"], run.args.global_batch
-    ref_sampler = CanonicalBatchSampler(len(env["ds"]), B, dp=1, rank=0, grid=dp, mode="cyclic", seed=run.args.seed)
+    ref_sampler = CanonicalBatchSampler(len(env["ds"]), B, data_parallel_size=1, data_parallel_rank=0, grid_size=dp,
+                                        dataloader_type="cyclic", seed=run.args.seed)
     n = len(run.ids)
     for k in range(n):
         want = ref_sampler.global_micro_batch(first_window + k)
@@ -521,10 +523,11 @@ def test_noncoloc(args):
         opt = torch.optim.Adam(params, lr=args.lr)
         # grid 1: "balanced" keeps the natural order (nothing to balance); lpt permutes, exercising the bridge
         cfg = reorder_cfg(on, window=2, overlap=True, weight=0.0, balancer="lpt")
-        sampler = CanonicalBatchSampler(len(ds), B, dp=1, rank=0, grid=1, mode="cyclic", seed=args.seed)
+        sampler = CanonicalBatchSampler(len(ds), B, data_parallel_size=1, data_parallel_rank=0, grid_size=1,
+                                        dataloader_type="cyclic", seed=args.seed)
         fields = rm.fields_to_load(module, 0, cfg)
         it = rm.wrap(rank_source(ds, sampler, fields, device), config=cfg, module=module, grids=grids,
-                     global_batch=B, fixed_width_padding=True, device=device)
+                     micro_batch_size=B, fixed_width_padding=True, device=device)
         seen, losses, sums, current = [], [], [], {}
 
         def step_func(data_iterator, mdl):

@@ -153,21 +153,21 @@ def test_wrap_off_passes_micro_batches_through_a_closeable_buffer():
 
     items = [{"input_ids": 1}, {"input_ids": 2}]
     off = ReorderConfig()
-    with rm.wrap(iter(items), config=off, module="language", grids={"language": [[0, 1]]}, global_batch=4,
+    with rm.wrap(iter(items), config=off, module="language", grids={"language": [[0, 1]]}, micro_batch_size=4,
                  fixed_width_padding=False) as it:
         got = list(it)
         assert it.last_report is None and len(it.reports) == 0 and not it.worker_alive and not it.overlap
     assert all(a is b for a, b in zip(got, items)) and len(got) == 2
     public = {n for n in dir(ReorderingBuffer) if not n.startswith("_")} | {"__enter__", "__exit__", "__next__"}
     assert all(hasattr(it, n) for n in public), sorted(n for n in public if not hasattr(it, n))
-    it = rm.wrap(iter(items), config=off, module="language", grids={"language": [[0, 1]]}, global_batch=4,
+    it = rm.wrap(iter(items), config=off, module="language", grids={"language": [[0, 1]]}, micro_batch_size=4,
                  fixed_width_padding=False)
     assert next(it) is items[0]
     it.close()
     with pytest.raises(StopIteration):
         next(it)
     # a rank that loads nothing (Megatron passes None, and tests `data_iterator is not None`) keeps None
-    assert rm.wrap(None, config={"megatron_mimo_scalable_dp": True}, module="x", grids={}, global_batch=3,
+    assert rm.wrap(None, config={"megatron_mimo_scalable_dp": True}, module="x", grids={}, micro_batch_size=3,
                    fixed_width_padding=True) is None
 
 
@@ -186,7 +186,7 @@ def test_wrap_off_passes_micro_batches_through_a_closeable_buffer():
     ({"images": [[0]], "language": [[1]]}, {"rank": 1, "data_iterator": None}, "data_iterator is None"),
 ])
 def test_wrap_rejections(grids, kw, msg):
-    args = dict(config=ON, module="language", grids=grids, global_batch=4, fixed_width_padding=True, rank=1)
+    args = dict(config=ON, module="language", grids=grids, micro_batch_size=4, fixed_width_padding=True, rank=1)
     it = kw.pop("data_iterator", iter([]))
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
@@ -227,7 +227,7 @@ def _rank_main(rank, world, grids, cfg_kwargs):
     dp = len(rm.dp_groups_from_grid(grids["language"])[0])
     fields = rm.fields_to_load(["images", "language"], 0, cfg)
     src = (rm.select_fields(syn.rank_share(g, dp, rank % dp), fields + ("sample_id",)) for g in _global_batches(5))
-    buf = rm.wrap(src, config=cfg, module="language", grids=grids, global_batch=B, fixed_width_padding=True,
+    buf = rm.wrap(src, config=cfg, module="language", grids=grids, micro_batch_size=B, fixed_width_padding=True,
                   timeout=datetime.timedelta(seconds=60))
     assert buf.ahead == cfg.overlap_ahead
     assert buf._ex.early_copy == (not cfg.overlap)  # synchronous: the copy to the device starts before planning
@@ -296,3 +296,14 @@ def test_rank_enum_matches_megatron_golden_table():
         assert rm._rank_enum(list(shape), list(names), 3, list(dims)) == want, (shape, names, dims)
         if dims == ("dp",):
             assert rm.dp_groups_from_grid(FakeGrid(list(shape), list(names), 3)) == want
+
+def test_wrap_takes_megatrons_micro_batch_size_and_the_deprecated_global_batch():
+    off = ReorderConfig()
+    grids = {"language": [[0, 1]]}
+    it = rm.wrap(iter([]), config=off, module="language", grids=grids, micro_batch_size=8, fixed_width_padding=True)
+    assert it.micro_batch_size == 8
+    with pytest.warns(DeprecationWarning, match=r"wrap\(global_batch=...\) is deprecated: use micro_batch_size="):
+        it = rm.wrap(iter([]), config=off, module="language", grids=grids, global_batch=8, fixed_width_padding=True)
+    assert it.state_dict()["micro_batch_size"] == 8
+    with pytest.raises(TypeError, match="missing keyword argument 'micro_batch_size'"):
+        rm.wrap(iter([]), config=off, module="language", grids=grids, fixed_width_padding=True)

@@ -43,7 +43,8 @@ def collate(indices):
 def make_source(dp, rank, workers, samplers):
     """consumed_samples -> this rank's micro-batches of the rest of the run (TOTAL micro-batches in all)."""
     def source(consumed_samples):
-        sampler = CanonicalBatchSampler(N, B, dp=dp, rank=rank, grid=dp, mode="cyclic", seed=5,
+        sampler = CanonicalBatchSampler(N, B, data_parallel_size=dp, data_parallel_rank=rank, grid_size=dp,
+                                        dataloader_type="cyclic", seed=5,
                                         consumed_samples=consumed_samples)
         samplers.append((consumed_samples, sampler))
         loader = DataLoader(Indices(), batch_sampler=sampler, num_workers=workers, collate_fn=collate)
@@ -65,7 +66,7 @@ def _rank_main(rank, world, cfg_kwargs, workers, ckpt):
     grids = {"images": [[0, 1]], "language": [[0, 1]]}
 
     def wrap(source):
-        return rm.wrap(source, config=cfg, module="language", grids=grids, global_batch=B,
+        return rm.wrap(source, config=cfg, module="language", grids=grids, micro_batch_size=B,
                        fixed_width_padding=True, timeout=datetime.timedelta(seconds=60))
 
     samplers = []

@@ -14,7 +14,8 @@ GRID_PAIRS = [(1, 2), (2, 4), (2, 3)]
 
 
 def make(n, b, dp, rank, grid, mode="single", sharding=True, **kw):
-    return CanonicalBatchSampler(n, b, dp=dp, rank=rank, grid=grid, mode=mode, data_sharding=sharding, **kw)
+    return CanonicalBatchSampler(n, b, data_parallel_size=dp, data_parallel_rank=rank, grid_size=grid,
+                                 dataloader_type=mode, data_sharding=sharding, **kw)
 
 
 def epoch(n, b, dp, rank, grid, mode, sharding, **kw):
@@ -151,26 +152,49 @@ def test_single_pass_ends():
 
 class TestErrors(expecttest.TestCase):
     def err(self, **kw):
-        args = dict(total_samples=54, global_batch_size=8, dp=2, rank=0, grid=4)
+        args = dict(total_samples=54, micro_batch_size=8, data_parallel_size=2, data_parallel_rank=0, grid_size=4)
         args.update(kw)
         with self.assertRaises(ValueError) as cm:
-            CanonicalBatchSampler(args.pop("total_samples"), args.pop("global_batch_size"), **args)
+            CanonicalBatchSampler(args.pop("total_samples"), args.pop("micro_batch_size"), **args)
         return str(cm.exception)
 
     def test_messages(self):
-        self.assertExpectedInline(self.err(global_batch_size=10),
-                                  """global_batch_size=10 is not a multiple of the canonical grid G=4""")
-        self.assertExpectedInline(self.err(drop_last=False), """drop_last=False is not supported: modules with different DP sizes must all see whole global micro-batches, so the dataset is truncated to a multiple of global_batch_size; pass drop_last=True""")
-        self.assertExpectedInline(self.err(grid=3, global_batch_size=6), """grid=3 is not a multiple of dp=2: the canonical grid G must be the lcm of all module DP sizes""")
-        self.assertExpectedInline(self.err(rank=2), """rank=2 is out of range for dp=2: must be in [0, 2)""")
-        self.assertExpectedInline(self.err(mode="random"), """mode='random': must be one of ['single', 'cyclic']""")
-        self.assertExpectedInline(self.err(total_samples=5), """total_samples=5 is smaller than global_batch_size=8: not even one global micro-batch""")
-        self.assertExpectedInline(self.err(consumed_samples=12), """consumed_samples=12 is not a multiple of global_batch_size=8""")
-        self.assertExpectedInline(self.err(consumed_samples=56), """consumed_samples=56 exceeds the 48 samples of the single pass (mode 'single' does not wrap around)""")
-        self.assertExpectedInline(self.err(dp=0), """dp=0: must be an integer >= 1""")
+        self.assertExpectedInline(self.err(micro_batch_size=10),
+                                  """micro_batch_size=10 is not a multiple of the canonical grid G=4""")
+        self.assertExpectedInline(self.err(drop_last=False), """drop_last=False is not supported: modules with different DP sizes must all see whole global micro-batches, so the dataset is truncated to a multiple of micro_batch_size; pass drop_last=True""")
+        self.assertExpectedInline(self.err(grid_size=3, micro_batch_size=6), """grid_size=3 is not a multiple of data_parallel_size=2: the canonical grid G must be the lcm of all module DP sizes""")
+        self.assertExpectedInline(self.err(data_parallel_rank=2), """data_parallel_rank=2 is out of range for data_parallel_size=2: must be in [0, 2)""")
+        self.assertExpectedInline(self.err(dataloader_type="random"), """dataloader_type='random': must be one of ['single', 'cyclic']""")
+        self.assertExpectedInline(self.err(total_samples=5), """total_samples=5 is smaller than micro_batch_size=8: not even one global micro-batch""")
+        self.assertExpectedInline(self.err(consumed_samples=12), """consumed_samples=12 is not a multiple of micro_batch_size=8""")
+        self.assertExpectedInline(self.err(consumed_samples=56), """consumed_samples=56 exceeds the 48 samples of the single pass (dataloader_type 'single' does not wrap around)""")
+        self.assertExpectedInline(self.err(data_parallel_size=0), """data_parallel_size=0: must be an integer >= 1""")
 
     def test_state_mismatch(self):
         state = make(54, 8, 2, 0, 4, "cyclic").state_dict()
         with self.assertRaises(ValueError) as cm:
             make(54, 8, 2, 0, 2, "cyclic").load_state_dict(state)
-        self.assertExpectedInline(str(cm.exception), """grid=4 in the state dict does not match this sampler's grid=2""")
+        self.assertExpectedInline(str(cm.exception), """grid_size=4 in the state dict does not match this sampler's grid_size=2""")
+
+
+def test_megatron_names_and_deprecated_aliases():
+    """Megatron's names (Megatron-Bridge's canonical MIMO sampler: micro_batch_size is the global
+    micro-batch); the older keywords still build the same sampler, with a DeprecationWarning."""
+    new = CanonicalBatchSampler(54, micro_batch_size=8, data_parallel_size=2, data_parallel_rank=1, grid_size=4,
+                                dataloader_type="cyclic", seed=3)
+    assert (new.micro_batch_size, new.data_parallel_size, new.data_parallel_rank, new.grid_size,
+            new.dataloader_type) == (8, 2, 1, 4, "cyclic")
+    with pytest.warns(DeprecationWarning, match=r"\(global_batch_size=, dp=, rank=, grid=, mode=\) is deprecated: use "
+                                                r"micro_batch_size=, data_parallel_size=, data_parallel_rank=, "
+                                                r"grid_size=, dataloader_type="):
+        old = CanonicalBatchSampler(54, global_batch_size=8, dp=2, rank=1, grid=4, mode="cyclic", seed=3)
+    assert list(old) == list(new)
+    state = {"consumed_samples": 16, "total_samples": 54, "global_batch_size": 8, "grid": 4, "mode": "cyclic",
+             "data_sharding": True, "seed": 3}  # saved under the older names
+    fresh = make(54, 8, 2, 1, 4, "cyclic", seed=3)
+    fresh.load_state_dict(state)
+    assert fresh.consumed_samples == 16
+    with pytest.raises(TypeError, match="unexpected keyword argument 'world'"):
+        CanonicalBatchSampler(54, 8, data_parallel_size=2, data_parallel_rank=0, grid_size=2, world=2)
+    with pytest.raises(TypeError, match="missing argument 'grid_size'"):
+        CanonicalBatchSampler(54, 8, data_parallel_size=2, data_parallel_rank=0)

@@ -11,7 +11,7 @@ Typical use in a MIMO training script (every rank, after the grids exist, before
     cfg = ReorderConfig.from_object(dataset_config)            # the megatron_mimo_* fields
     fields = rm.fields_to_load(my_module, my_pp_stage, cfg)     # what this rank's loader must read
     it = rm.wrap(it, config=cfg, module=my_module, grids=module_to_grid_map,
-                 global_batch=B, fixed_width_padding=True, device=torch.cuda.current_device())
+                 micro_batch_size=B, fixed_width_padding=True, device=torch.cuda.current_device())
 
 `wrap` is a world-wide collective (it creates process groups): call it on every rank of every module,
 in the same order, also where the rank's own DP size is 1.
@@ -20,6 +20,7 @@ in the same order, also where the rank's own DP size is 1.
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -203,10 +204,11 @@ def check_layout(grids: Mapping, *, pp_sizes: Mapping | None = None, fixed_width
     return groups
 
 
-def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: int, fixed_width_padding,
-         device=None, pp_sizes: Mapping | None = None, language_module: str = LANGUAGE,
+def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size: int | None = None,
+         fixed_width_padding, device=None, pp_sizes: Mapping | None = None, language_module: str = LANGUAGE,
          data_backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5),
-         log_every: int = 0, log_all_ranks: bool = False, rank: int | None = None):
+         log_every: int = 0, log_all_ranks: bool = False, rank: int | None = None,
+         global_batch: int | None = None):
     """Turn this rank's micro-batch iterator into a ReorderingBuffer; with reordering off, into a
     PassThroughBuffer that yields the micro-batches unchanged. Both are iterators and context managers
     (`with wrap(...) as batches:`; `close()` stops the overlap thread). A rank that loads nothing
@@ -222,8 +224,9 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     module: the module whose DP group this iterator feeds (a colocated rank passes either name: its
       modules must then share DP groups). grids: {module: HyperCommGrid or DP rank lists} for every
       module of the model (e.g. MimoModelConfig.module_to_grid_map) - the same on every rank.
-    global_batch: B, samples per global micro-batch (a multiple of G = lcm of the DP sizes); each
-      rank's iterator yields its contiguous B/dp share (scalable reads, CanonicalBatchSampler).
+    micro_batch_size: B, samples per GLOBAL micro-batch (a multiple of G = lcm of the DP sizes), as
+      Megatron-Bridge's canonical MIMO sampler calls it; each rank's iterator yields its contiguous
+      B/dp share (scalable reads, CanonicalBatchSampler). `global_batch=` is its deprecated name.
     fixed_width_padding: must be True (samples padded to one sequence length); False is refused.
     device: where the rank's batches live (CUDA -> NCCL payload exchange).
     log_every: every N windows, log a metrics line to the logger "reorder" (INFO) naming the module
@@ -232,11 +235,20 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
     Rejects encoder PP > 1, encoder dp > language dp, language dp not a multiple of encoder dp,
     no fixed-width padding, and a colocated rank whose modules have different DP groups.
     """
+    if global_batch is not None:
+        warnings.warn("wrap(global_batch=...) is deprecated: use micro_batch_size= (Megatron's name for the "
+                      "global micro-batch)", DeprecationWarning, stacklevel=2)
+        if micro_batch_size is not None and micro_batch_size != global_batch:
+            raise TypeError(f"wrap() got micro_batch_size={micro_batch_size} and global_batch={global_batch}: "
+                            "give micro_batch_size only")
+        micro_batch_size = global_batch
+    if micro_batch_size is None:
+        raise TypeError("wrap() missing keyword argument 'micro_batch_size' (B, samples per global micro-batch)")
     cfg = config if isinstance(config, ReorderConfig) else ReorderConfig.from_object(config)
     if not cfg.enabled:
         from reorder.runtime.buffer import PassThroughBuffer
 
-        return None if data_iterator is None else PassThroughBuffer(data_iterator, micro_batch_size=global_batch)
+        return None if data_iterator is None else PassThroughBuffer(data_iterator, micro_batch_size=micro_batch_size)
     import torch
     import torch.distributed as dist
 
@@ -272,7 +284,7 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, global_batch: in
                      encoder_image_weight=cfg.encoder_image_weight,
                      image_token_id=cfg.image_token_id, vision_start_token_id=cfg.vision_start_token_id,
                      spatial_merge_size=cfg.spatial_merge_size)
-    ex = WindowExchanger(grid=rg.grid, micro_batch_size=global_batch, cost=cost, balancer=cfg.balancer,
+    ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, cost=cost, balancer=cfg.balancer,
                          window_size=cfg.window_size, collectives=rg.side if cfg.overlap else rg.main,
                          device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot, min_gain=cfg.min_gain,
                          min_saving=cfg.min_saving, gate_backoff=cfg.gate_backoff,

@@ -5,13 +5,14 @@ ordered *global micro-batches* of B samples, defined on the canonical grid G = l
 (`math.lcm(*dp_sizes)`; B % G == 0). Group g (0 <= g < G) holds positions [g*B/G, (g+1)*B/G) of each
 global micro-batch, so rank r of a module with DP size d yields positions [r*B/d, (r+1)*B/d): the
 concatenation of its groups [r*G/d, (r+1)*G/d). Hence rank r of dp d == block r (size B/d) of the
-dp-1 window, for every d dividing G. The order depends on (dataset length, B, G, mode, data_sharding,
-seed) only, never on d or r.
+dp-1 window, for every d dividing G. The order depends on (dataset length, B, G, dataloader_type,
+data_sharding, seed) only, never on d or r. B is Megatron-Bridge's `micro_batch_size` of the canonical
+sampler: the global micro-batch, not a rank's share.
 
 The dataset is truncated to N' = (N // B) * B samples: indices >= N' are never yielded (54 samples,
 B 8 -> 6 global micro-batches per pass, for every G).
 
-Modes (b = B/G samples per group, W = N'/B global micro-batches per epoch, window k of an epoch):
+dataloader_type (b = B/G samples per group, W = N'/B global micro-batches per epoch, window k of an epoch):
 - "single": one pass in order; window k is indices [k*B, (k+1)*B), group g takes slice g.
 - "cyclic": epoch e reshuffles with `torch.Generator().manual_seed(seed + epoch)`.
   - data_sharding=True: N' is split into G contiguous buckets of W*b; one `randperm(W*b)` per epoch,
@@ -32,6 +33,7 @@ size on the same grid. Pure Python/torch: no distributed calls.
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 
@@ -44,37 +46,63 @@ def _check_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-class CanonicalBatchSampler:
-    """Batch sampler (iterable of lists of dataset indices) of rank `rank` of a module with DP `dp`."""
+_RENAMED = {"global_batch_size": "micro_batch_size", "dp": "data_parallel_size", "rank": "data_parallel_rank",
+            "grid": "grid_size", "mode": "dataloader_type"}  # deprecated keyword -> Megatron's name
 
-    def __init__(self, total_samples: int, global_batch_size: int, *, dp: int, rank: int, grid: int,
-                 mode: str = "single", data_sharding: bool = True, seed: int = 0,
-                 consumed_samples: int = 0, drop_last: bool = True):
+
+class CanonicalBatchSampler:
+    """Batch sampler (iterable of lists of dataset indices) of DP rank `data_parallel_rank` of a module
+    with DP size `data_parallel_size`. Names follow Megatron's samplers and Megatron-Bridge's canonical
+    MIMO sampler: `micro_batch_size` is B, the GLOBAL micro-batch (every module's ranks together; each
+    rank yields B / data_parallel_size indices), `grid_size` the canonical grid G, `dataloader_type`
+    "single" or "cyclic". The older keywords (global_batch_size, dp, rank, grid, mode) still work, with
+    a DeprecationWarning."""
+
+    def __init__(self, total_samples: int, micro_batch_size: int | None = None, *,
+                 data_parallel_size: int | None = None, data_parallel_rank: int | None = None,
+                 grid_size: int | None = None, dataloader_type: str = "single", data_sharding: bool = True,
+                 seed: int = 0, consumed_samples: int = 0, drop_last: bool = True, **renamed):
+        if renamed:
+            given = dict(micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size,
+                         data_parallel_rank=data_parallel_rank, grid_size=grid_size, dataloader_type=dataloader_type)
+            for old, value in renamed.items():
+                if old not in _RENAMED:
+                    raise TypeError(f"CanonicalBatchSampler() got an unexpected keyword argument {old!r}")
+                given[_RENAMED[old]] = value
+            warnings.warn(f"CanonicalBatchSampler({', '.join(k + '=' for k in renamed)}) is deprecated: use "
+                          f"{', '.join(_RENAMED[k] + '=' for k in renamed)} (Megatron's names)",
+                          DeprecationWarning, stacklevel=2)
+            micro_batch_size, data_parallel_size, data_parallel_rank, grid_size, dataloader_type = given.values()
+        for name, v in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size),
+                        ("data_parallel_rank", data_parallel_rank), ("grid_size", grid_size)):
+            if v is None:
+                raise TypeError(f"CanonicalBatchSampler() missing argument {name!r}")
         self.total_samples = _check_int("total_samples", total_samples, 0)
-        self.global_batch_size = B = _check_int("global_batch_size", global_batch_size, 1)
-        self.dp = _check_int("dp", dp, 1)
-        self.grid = _check_int("grid", grid, 1)
-        self.rank = _check_int("rank", rank, 0)
+        self.micro_batch_size = B = _check_int("micro_batch_size", micro_batch_size, 1)
+        self.data_parallel_size = dp = _check_int("data_parallel_size", data_parallel_size, 1)
+        self.grid_size = grid = _check_int("grid_size", grid_size, 1)
+        self.data_parallel_rank = rank = _check_int("data_parallel_rank", data_parallel_rank, 0)
         self.seed = _check_int("seed", seed, 0)
         if rank >= dp:
-            raise ValueError(f"rank={rank} is out of range for dp={dp}: must be in [0, {dp})")
+            raise ValueError(f"data_parallel_rank={rank} is out of range for data_parallel_size={dp}: must be in "
+                             f"[0, {dp})")
         if grid % dp:
-            raise ValueError(f"grid={grid} is not a multiple of dp={dp}: the canonical grid G must be "
-                             f"the lcm of all module DP sizes")
+            raise ValueError(f"grid_size={grid} is not a multiple of data_parallel_size={dp}: the canonical grid G "
+                             f"must be the lcm of all module DP sizes")
         if B % grid:
-            raise ValueError(f"global_batch_size={B} is not a multiple of the canonical grid G={grid}")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: must be one of {list(MODES)}")
+            raise ValueError(f"micro_batch_size={B} is not a multiple of the canonical grid G={grid}")
+        if dataloader_type not in MODES:
+            raise ValueError(f"dataloader_type={dataloader_type!r}: must be one of {list(MODES)}")
         if drop_last is not True:
             raise ValueError(f"drop_last={drop_last!r} is not supported: modules with different DP sizes "
                              f"must all see whole global micro-batches, so the dataset is truncated to a "
-                             f"multiple of global_batch_size; pass drop_last=True")
+                             f"multiple of micro_batch_size; pass drop_last=True")
         if not isinstance(data_sharding, bool):
             raise ValueError(f"data_sharding={data_sharding!r}: must be a bool")
         if total_samples < B:
-            raise ValueError(f"total_samples={total_samples} is smaller than global_batch_size={B}: "
+            raise ValueError(f"total_samples={total_samples} is smaller than micro_batch_size={B}: "
                              f"not even one global micro-batch")
-        self.mode = mode
+        self.dataloader_type = dataloader_type
         self.data_sharding = data_sharding
         self.drop_last = True
         self.windows_per_epoch = total_samples // B
@@ -85,26 +113,29 @@ class CanonicalBatchSampler:
     # -- state -----------------------------------------------------------------------------------
     def _check_consumed(self, consumed_samples) -> int:
         consumed_samples = _check_int("consumed_samples", consumed_samples, 0)
-        B = self.global_batch_size
+        B = self.micro_batch_size
         if consumed_samples % B:
             raise ValueError(f"consumed_samples={consumed_samples} is not a multiple of "
-                             f"global_batch_size={B}")
-        if self.mode == "single" and consumed_samples > self.active_samples:
+                             f"micro_batch_size={B}")
+        if self.dataloader_type == "single" and consumed_samples > self.active_samples:
             raise ValueError(f"consumed_samples={consumed_samples} exceeds the {self.active_samples} "
-                             f"samples of the single pass (mode 'single' does not wrap around)")
+                             f"samples of the single pass (dataloader_type 'single' does not wrap around)")
         return consumed_samples
 
     def _fingerprint(self) -> dict:
-        return {"total_samples": self.total_samples, "global_batch_size": self.global_batch_size,
-                "grid": self.grid, "mode": self.mode, "data_sharding": self.data_sharding,
-                "seed": self.seed}
+        return {"total_samples": self.total_samples, "micro_batch_size": self.micro_batch_size,
+                "grid_size": self.grid_size, "dataloader_type": self.dataloader_type,
+                "data_sharding": self.data_sharding, "seed": self.seed}
 
     def state_dict(self) -> dict:
-        """Global state: consumed_samples plus the settings that define the order (not dp/rank)."""
+        """Global state: consumed_samples plus the settings that define the order (not the DP size or
+        rank). With a DataLoader that reads ahead (num_workers > 0), this counts what the loader read,
+        not what training consumed: checkpoint the buffer `wrap` returns instead."""
         return {"consumed_samples": self.consumed_samples, **self._fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`; every order-defining setting must match this sampler's."""
+        state = {_RENAMED.get(k, k): v for k, v in state.items()}  # states saved under the older names
         for key, mine in self._fingerprint().items():
             if key in state and state[key] != mine:
                 raise ValueError(f"{key}={state[key]!r} in the state dict does not match this "
@@ -114,7 +145,7 @@ class CanonicalBatchSampler:
     @property
     def epoch(self) -> int:
         """Epoch of the next global micro-batch (always 0 in mode 'single')."""
-        return 0 if self.mode == "single" else self.consumed_samples // self.active_samples
+        return 0 if self.dataloader_type == "single" else self.consumed_samples // self.active_samples
 
     # -- order -----------------------------------------------------------------------------------
     def _perm(self, epoch: int, n: int) -> list[int]:
@@ -126,9 +157,9 @@ class CanonicalBatchSampler:
 
     def _groups(self, window: int, groups: range) -> list[int]:
         """Indices of `groups` (in order) of global micro-batch number `window` (counted from 0)."""
-        B, G = self.global_batch_size, self.grid
+        B, G = self.micro_batch_size, self.grid_size
         b = B // G
-        if self.mode == "single":
+        if self.dataloader_type == "single":
             return list(range(window * B + groups.start * b, window * B + groups.stop * b))
         epoch, k = divmod(window, self.windows_per_epoch)
         out: list[int] = []
@@ -145,28 +176,28 @@ class CanonicalBatchSampler:
 
     def global_micro_batch(self, window: int) -> list[int]:
         """The whole ordered global micro-batch number `window` (what a dp-1 module reads)."""
-        if self.mode == "single" and not 0 <= window < self.windows_per_epoch:
+        if self.dataloader_type == "single" and not 0 <= window < self.windows_per_epoch:
             raise IndexError(f"window={window} is outside the single pass of {self.windows_per_epoch}")
-        return self._groups(window, range(self.grid))
+        return self._groups(window, range(self.grid_size))
 
     def rank_share(self, window: int) -> list[int]:
         """This rank's B/dp indices of global micro-batch number `window`."""
-        per = self.grid // self.dp
-        return self._groups(window, range(self.rank * per, (self.rank + 1) * per))
+        per = self.grid_size // self.data_parallel_size
+        return self._groups(window, range(self.data_parallel_rank * per, (self.data_parallel_rank + 1) * per))
 
     # -- iteration -------------------------------------------------------------------------------
     def _stop(self, window: int) -> int:
-        if self.mode == "single":
+        if self.dataloader_type == "single":
             return self.windows_per_epoch
         return (window // self.windows_per_epoch + 1) * self.windows_per_epoch
 
     def __len__(self) -> int:
         """Batches the next `iter()` yields: the rest of the current pass / epoch."""
-        window = self.consumed_samples // self.global_batch_size
+        window = self.consumed_samples // self.micro_batch_size
         return self._stop(window) - window
 
     def __iter__(self):
-        B = self.global_batch_size
+        B = self.micro_batch_size
         window = self.consumed_samples // B
         for w in range(window, self._stop(window)):
             batch = self.rank_share(w)
