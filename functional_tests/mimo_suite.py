@@ -338,7 +338,7 @@ class Run:
 
 
 def reorder_cfg(on, *, window=1, overlap=True, weight=0.0, balancer=None):
-    extra = {} if balancer is None else {"balancer": balancer}
+    extra = {} if balancer is None else {"megatron_mimo_reorder_balancer": balancer}
     return ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=on,
                          megatron_mimo_reorder_window_size=window, megatron_mimo_reorder_overlap=overlap,
                          megatron_mimo_reorder_language_cost_weight=weight, **extra)

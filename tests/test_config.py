@@ -37,7 +37,7 @@ def test_defaults():
         False, 1.0, 0.0, True, 1)
     assert not c.needs_attention_mask
     with pytest.raises(dataclasses.FrozenInstanceError):
-        c.balancer = "identity"
+        c.megatron_mimo_reorder_balancer = "identity"
 
 
 def test_properties_and_weight_normalisation():
@@ -57,7 +57,7 @@ def test_from_object_and_mapping():
     assert c == ReorderConfig(**ON, megatron_mimo_reorder_window_size=2)
     assert ReorderConfig.from_object(object()) == ReorderConfig()
     assert ReorderConfig.from_object({"megatron_mimo_reorder_language_cost_weight": 0.25}).language_weight == 0.25
-    assert ReorderConfig.from_object(obj, balancer="identity").balancer == "identity"
+    assert ReorderConfig.from_object(obj, megatron_mimo_reorder_balancer="identity").balancer == "identity"
     with pytest.raises(ValueError, match="megatron_mimo_reorder_window_size=0"):
         ReorderConfig.from_object(types.SimpleNamespace(megatron_mimo_reorder_window_size=0))
 
@@ -70,7 +70,8 @@ def test_argparse_defaults_and_round_trip():
     assert ns.megatron_mimo_scalable_dp  # --intra-microbatch-reorder implies --scalable-dp
     assert ReorderConfig.from_args(ns) == ReorderConfig(
         **ON, megatron_mimo_reorder_encoder_cost_weight=2.0, megatron_mimo_reorder_language_cost_weight=0.5,
-        megatron_mimo_reorder_overlap=False, megatron_mimo_reorder_window_size=3, balancer="identity")
+        megatron_mimo_reorder_overlap=False, megatron_mimo_reorder_window_size=3,
+        megatron_mimo_reorder_balancer="identity")
     assert ReorderConfig.from_args(parse(["--scalable-dp"])) == ReorderConfig(megatron_mimo_scalable_dp=True)
 
 
@@ -104,14 +105,15 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_cost_weight=0), """megatron_mimo_reorder_encoder_cost_weight=0.0 and megatron_mimo_reorder_language_cost_weight=0.0 (and no quadratic or per-image weight): at least one cost weight must be > 0, otherwise every sample costs 0 and there is nothing to balance""")
         self.assertExpectedInline(self.err(megatron_mimo_reorder_window_size=0), """megatron_mimo_reorder_window_size=0: must be an integer >= 1""")
         self.assertExpectedInline(self.err(megatron_mimo_reorder_window_size=1.5), """megatron_mimo_reorder_window_size=1.5: must be an integer >= 1""")
-        self.assertExpectedInline(self.err(spatial_merge_size=0), """spatial_merge_size=0: must be an integer >= 1""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_spatial_merge_size=0), """megatron_mimo_reorder_spatial_merge_size=0: must be an integer >= 1""")
         self.assertExpectedInline(self.err(megatron_mimo_reorder_overlap="no"), """megatron_mimo_reorder_overlap='no': must be a bool""")
-        self.assertExpectedInline(self.err(image_token_id=7, vision_start_token_id=7), """image_token_id=7 equals vision_start_token_id=7: they must be different tokens""")
-        self.assertIn("balancer='nope'", self.err(balancer="nope"))
-        self.assertExpectedInline(self.err(encoder_image_weight=-1), """encoder_image_weight=-1: must be a finite number >= 0""")
-        self.assertExpectedInline(self.err(min_gain=1.0), """min_gain=1.0: must be a finite number >= 0 and < 1 (or unset)""")
-        self.assertExpectedInline(self.err(min_saving=-3), """min_saving=-3: must be a finite number >= 0 (or unset)""")
-        self.assertExpectedInline(self.err(min_saving=float("nan")), """min_saving=nan: must be a finite number >= 0 (or unset)""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_image_token_id=7, megatron_mimo_reorder_vision_start_token_id=7), """megatron_mimo_reorder_image_token_id=7 equals megatron_mimo_reorder_vision_start_token_id=7: they must be different tokens""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_balancer="nope"), """megatron_mimo_reorder_balancer='nope' is unknown; choose one of ['balanced', 'identity', 'lpt']""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_encoder_image_weight=-1), """megatron_mimo_reorder_encoder_image_weight=-1: must be a finite number >= 0""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_min_gain=1.0), """megatron_mimo_reorder_min_gain=1.0: must be a finite number >= 0 and < 1 (or unset)""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_min_saving=-3), """megatron_mimo_reorder_min_saving=-3: must be a finite number >= 0 (or unset)""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_min_saving=float("nan")), """megatron_mimo_reorder_min_saving=nan: must be a finite number >= 0 (or unset)""")
+        self.assertExpectedInline(self.err(megatron_mimo_reorder_gate_backoff=2), """megatron_mimo_reorder_gate_backoff=2: the backoff skips windows after the cost-benefit gate kept them natural; set megatron_mimo_reorder_min_gain or megatron_mimo_reorder_min_saving too""")
 
     def test_argparse_values_are_validated(self):
         self.assertExpectedInline(self.err(lambda: ReorderConfig.from_args(parse(["--reorder-window-size", "0"]))), """megatron_mimo_reorder_window_size=0: must be an integer >= 1""")
@@ -141,15 +143,16 @@ def test_shadow_flag_round_trip():
     assert (c.min_gain, c.min_saving) == (0.05, 2.5)
     assert ReorderConfig.from_args(p.parse_args(["--reorder-encoder-image-weight", "40"])).encoder_image_weight == 40.0
     # a per-image (or quadratic) weight alone is a valid cost model
-    assert ReorderConfig(megatron_mimo_reorder_encoder_cost_weight=0.0, encoder_image_weight=1.0).encoder_image_weight == 1.0
+    assert ReorderConfig(megatron_mimo_reorder_encoder_cost_weight=0.0,
+                         megatron_mimo_reorder_encoder_image_weight=1.0).encoder_image_weight == 1.0
     assert (ReorderConfig().min_gain, ReorderConfig().min_saving) == (None, None)
     assert ReorderConfig().cross_slot is False
     assert ReorderConfig.from_args(p.parse_args(["--reorder-overlap-ahead", "2"])).overlap_ahead == 2
     assert ReorderConfig().overlap_ahead == 1
-    with pytest.raises(ValueError, match="overlap_ahead=0: must be an integer >= 1"):
-        ReorderConfig(overlap_ahead=0)
-    with pytest.raises(ValueError, match="shadow='yes': must be a bool"):
-        ReorderConfig(shadow="yes")
+    with pytest.raises(ValueError, match="megatron_mimo_reorder_overlap_ahead=0: must be an integer >= 1"):
+        ReorderConfig(megatron_mimo_reorder_overlap_ahead=0)
+    with pytest.raises(ValueError, match="megatron_mimo_reorder_shadow='yes': must be a bool"):
+        ReorderConfig(megatron_mimo_reorder_shadow="yes")
 
 
 def test_add_reorder_args_is_an_extra_args_provider():
@@ -171,7 +174,7 @@ def test_token_id_flags():
     c = ReorderConfig.from_args(parse(["--reorder-image-token-id", "151655", "--reorder-vision-start-token-id",
                                        "151652", "--reorder-spatial-merge-size", "4"]))
     assert (c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == (151655, 151652, 4)
-    with pytest.raises(ValueError, match="spatial_merge_size=0: must be an integer >= 1"):
+    with pytest.raises(ValueError, match="megatron_mimo_reorder_spatial_merge_size=0: must be an integer >= 1"):
         ReorderConfig.from_args(parse(["--reorder-spatial-merge-size", "0"]))
 
 
@@ -190,16 +193,37 @@ def test_from_hf_config_reads_the_real_transformers_configs(monkeypatch, name, e
     assert (c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == expected
     custom = cls(image_token_id=7, vision_start_token_id=5, vision_config={"spatial_merge_size": 4})
     source = argparse.Namespace(**vars(parse(["--intra-microbatch-reorder", "--reorder-window-size", "2"])))
-    c = ReorderConfig.from_hf_config(custom, source, balancer="lpt")
+    c = ReorderConfig.from_hf_config(custom, source, megatron_mimo_reorder_balancer="lpt")
     assert (c.image_token_id, c.vision_start_token_id, c.spatial_merge_size) == (7, 5, 4)  # over the flag defaults
     assert (c.enabled, c.window_size, c.balancer) == (True, 2, "lpt")
-    assert ReorderConfig.from_hf_config(custom, image_token_id=9).image_token_id == 9
+    assert ReorderConfig.from_hf_config(custom, megatron_mimo_reorder_image_token_id=9).image_token_id == 9
 
 
 def test_from_hf_config_refuses_a_config_without_the_ids():
     import transformers
     with pytest.raises(ValueError, match=r"Qwen2Config has no image_token_id, vision_start_token_id, "
-                                         r"vision_config.spatial_merge_size: not a Qwen-VL-style config"):
+                                         r"vision_config.spatial_merge_size: not a Qwen-VL-style config; set "
+                                         r"megatron_mimo_reorder_image_token_id, "):
         ReorderConfig.from_hf_config(transformers.Qwen2Config())
     assert ReorderConfig.from_hf_config({"image_token_id": 3, "vision_start_token_id": 4,
                                          "vision_config": {"spatial_merge_size": 1}}).spatial_merge_size == 1
+
+
+def test_every_field_is_prefixed_so_a_bridge_dataset_config_cannot_collide():
+    """A Megatron-Bridge dataset config has fields of its own; only `megatron_mimo_*` ones are read, so
+    generic names there (an unrelated `balancer`, `shadow`, `min_gain`, `image_token_id`) change nothing."""
+    assert all(f.name.startswith(("megatron_mimo_reorder_", "megatron_mimo_scalable_dp",
+                                  "megatron_mimo_intra_microbatch_reorder")) for f in dataclasses.fields(ReorderConfig))
+    dataset_config = types.SimpleNamespace(
+        balancer="round_robin", shadow=True, cross_slot=True, min_gain=5.0, min_saving=-1.0, gate_backoff=3,
+        overlap_ahead=0, image_token_id=1, vision_start_token_id=1, spatial_merge_size=0,
+        encoder_quadratic_weight=-1.0, language_quadratic_weight=-1.0, encoder_image_weight=-1.0,
+        megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=True,
+        megatron_mimo_reorder_balancer="lpt", megatron_mimo_reorder_min_gain=0.1)
+    c = ReorderConfig.from_object(dataset_config)
+    assert c == ReorderConfig(**ON, megatron_mimo_reorder_balancer="lpt", megatron_mimo_reorder_min_gain=0.1)
+    assert (c.balancer, c.min_gain, c.shadow, c.image_token_id) == ("lpt", 0.1, False, 248056)
+    # the flags keep their short names and fill the prefixed fields
+    ns = parse(["--reorder-balancer", "identity", "--reorder-shadow", "--reorder-min-saving", "2"])
+    assert (ns.megatron_mimo_reorder_balancer, ns.megatron_mimo_reorder_shadow, ns.megatron_mimo_reorder_min_saving) \
+        == ("identity", True, 2.0)

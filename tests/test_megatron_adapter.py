@@ -244,7 +244,7 @@ def _launch(world, grids, **cfg_kwargs):
     the balancer is the reference-checkable "lpt"."""
     from reorder.cli.processes import run_processes
 
-    return run_processes(_rank_main, world, (grids, dict(cfg_kwargs, balancer="lpt")), timeout=120)
+    return run_processes(_rank_main, world, (grids, dict(cfg_kwargs, megatron_mimo_reorder_balancer="lpt")), timeout=120)
 
 
 def test_wrap_dp1_permutes_locally():
@@ -258,7 +258,7 @@ def test_wrap_dp1_permutes_locally():
 def test_wrap_colocated_dp2_from_grids(overlap):
     grids = {"images": grid4(dp=2), "language": grid4(dp=2)}  # colocated: both modules on ranks 0, 1
     got = _launch(2, grids, megatron_mimo_reorder_overlap=overlap, megatron_mimo_reorder_language_cost_weight=0.5,
-                  overlap_ahead=2 if overlap else 1)
+                  megatron_mimo_reorder_overlap_ahead=2 if overlap else 1)
     cfg = ReorderConfig(megatron_mimo_reorder_language_cost_weight=0.5)
     for rank in range(2):
         assert got[rank] == [_expected_ids(g, cfg, 2, rank, 2) for g in _global_batches(5)]
@@ -269,7 +269,8 @@ def test_wrap_passes_the_gate_and_its_backoff(overlap):
     """A gate no window can pass, with backoff: every rank streams its natural share, planned or
     skipped, with and without the overlap thread."""
     grids = {"images": grid4(dp=2), "language": grid4(dp=2)}
-    got = _launch(2, grids, megatron_mimo_reorder_overlap=overlap, min_saving=1e18, gate_backoff=4)
+    got = _launch(2, grids, megatron_mimo_reorder_overlap=overlap,
+                  megatron_mimo_reorder_min_saving=1e18, megatron_mimo_reorder_gate_backoff=4)
     for rank in range(2):
         assert got[rank] == [g["sample_id"].tolist()[rank * B // 2:(rank + 1) * B // 2] for g in _global_batches(5)]
 

@@ -101,7 +101,8 @@ def _rank_main(rank, world, cfg_kwargs, workers, ckpt):
 def test_resume_reproduces_the_continuous_run(tmp_path, workers, overlap, window, cross_slot):
     from reorder.cli.processes import run_processes
 
-    cfg = dict(megatron_mimo_reorder_overlap=overlap, megatron_mimo_reorder_window_size=window, cross_slot=cross_slot)
+    cfg = dict(megatron_mimo_reorder_overlap=overlap, megatron_mimo_reorder_window_size=window,
+               megatron_mimo_reorder_cross_slot=cross_slot)
     got = run_processes(_rank_main, 2, (cfg, workers, str(tmp_path / "ckpt")), timeout=240)
     assert got["moved"] > 0  # the plans did move samples across ranks
     if workers or overlap:  # the sampler ran ahead of training: its own count would skip micro-batches

@@ -14,7 +14,6 @@ together on a violation. `--emulated` runs the old in-process path (threads, sup
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import sys
 import time
@@ -38,9 +37,9 @@ def add_args(p: argparse.ArgumentParser):
                    help="global micro-batch size B, a multiple of lcm(DP sizes) (default 16)")
     p.add_argument("--window", type=int, default=1, help="micro-batches per exchange window W (default 1)")
     p.add_argument("--windows", type=int, default=12, help="number of windows to stream (default 12)")
-    default = next(f.default for f in dataclasses.fields(ReorderConfig) if f.name == "balancer")
+    default = ReorderConfig().balancer
     p.add_argument("--balancer", default=default, choices=sorted(BALANCERS),
-                   help=f"default {default}, the library default (ReorderConfig.balancer)")
+                   help=f"default {default}, the library default (ReorderConfig.megatron_mimo_reorder_balancer)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="exchange the next window on a background thread (default on)")
     p.add_argument("--seq-len", type=int, default=2048, help="padded sequence length S (default 2048)")

@@ -1,10 +1,13 @@
 """Reorder configuration: the upstream `megatron_mimo_*` fields, their rules, and a layout check.
 
-`ReorderConfig` carries the six field names and defaults of upstream Megatron-Bridge (DESIGN section
-7) plus this library's own knobs (balancer, token ids, spatial merge size). It validates itself on
-construction; every error is a ValueError naming the field and its value. Build it directly, from any
-object or mapping carrying those attributes (`from_object`, e.g. a Megatron-Bridge dataset config),
-or from training-script flags (`add_reorder_args` + `from_args`).
+`ReorderConfig` carries the six field names and defaults of upstream Megatron-Bridge plus this
+library's own knobs, prefixed the same way (`megatron_mimo_reorder_balancer`, token ids, merge size,
+cost terms, gate, ...) so that they cannot collide with other fields of a Megatron-Bridge dataset
+config; their flags and read-only properties keep short names (`--reorder-balancer`, `cfg.balancer`).
+It validates itself on construction; every error is a ValueError naming the field and its value.
+Build it directly, from any object or mapping carrying those attributes (`from_object`, e.g. a
+Megatron-Bridge dataset config), from training-script flags (`add_reorder_args` + `from_args`), or
+take the token ids from the model's transformers config (`from_hf_config`).
 
 Flag `--intra-microbatch-reorder` also sets `megatron_mimo_scalable_dp` (reordering balances the
 fixed 1/dp shares that scalable reads give each rank, so it is meaningless without them). A config
@@ -31,23 +34,26 @@ class ReorderConfig:
     megatron_mimo_reorder_language_cost_weight: float = 0.0
     megatron_mimo_reorder_overlap: bool = True
     megatron_mimo_reorder_window_size: int = 1
-    balancer: str = "balanced"
-    image_token_id: int = 248056
-    vision_start_token_id: int = 248053
-    spatial_merge_size: int = 2
-    shadow: bool = False  # plan and report per window, move nothing (WindowExchanger(shadow=True))
-    cross_slot: bool = False  # balance over the whole window (valid only with window-level loss normalization)
-    encoder_quadratic_weight: float = 0.0  # cost per (patches of one image)**2 (full-attention ViT)
-    language_quadratic_weight: float = 0.0  # cost per real_tokens**2
-    encoder_image_weight: float = 0.0  # cost per image (fixed per-image encoder work)
-    min_gain: float | None = None  # cost-benefit gate: relative gain a micro-batch must exceed to move
-    min_saving: float | None = None  # cost-benefit gate: saving (cost units) a micro-batch must exceed to move
-    overlap_ahead: int = 1  # with overlap: windows queued or in flight ahead of the one consumed
-    gate_backoff: int = 0  # after gated windows in a row, skip up to this many windows unplanned (0: off)
+    # this library's own fields (short names: the read-only properties below)
+    megatron_mimo_reorder_balancer: str = "balanced"
+    megatron_mimo_reorder_image_token_id: int = 248056  # Qwen3.5's; see from_hf_config
+    megatron_mimo_reorder_vision_start_token_id: int = 248053
+    megatron_mimo_reorder_spatial_merge_size: int = 2
+    megatron_mimo_reorder_shadow: bool = False  # plan and report per window, move nothing
+    # balance over the whole window (valid only with window-level loss normalization)
+    megatron_mimo_reorder_cross_slot: bool = False
+    megatron_mimo_reorder_encoder_quadratic_weight: float = 0.0  # cost per (patches of one image)**2 (full attention)
+    megatron_mimo_reorder_language_quadratic_weight: float = 0.0  # cost per real_tokens**2
+    megatron_mimo_reorder_encoder_image_weight: float = 0.0  # cost per image (fixed per-image encoder work)
+    megatron_mimo_reorder_min_gain: float | None = None  # gate: relative gain a micro-batch must exceed to move
+    megatron_mimo_reorder_min_saving: float | None = None  # gate: saving (cost units) a micro-batch must exceed to move
+    megatron_mimo_reorder_overlap_ahead: int = 1  # with overlap: windows queued or in flight ahead of the one consumed
+    megatron_mimo_reorder_gate_backoff: int = 0  # after gated windows in a row, skip up to this many unplanned (0: off)
 
     def __post_init__(self):
         for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
-                     "megatron_mimo_reorder_overlap", "shadow", "cross_slot"):
+                     "megatron_mimo_reorder_overlap", "megatron_mimo_reorder_shadow",
+                     "megatron_mimo_reorder_cross_slot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.megatron_mimo_intra_microbatch_reorder and not self.megatron_mimo_scalable_dp:
@@ -55,8 +61,8 @@ class ReorderConfig:
                              "megatron_mimo_scalable_dp=True: reordering balances the 1/dp shares of "
                              "scalable reads; set both (flag --intra-microbatch-reorder does)")
         for name in ("megatron_mimo_reorder_encoder_cost_weight",
-                     "megatron_mimo_reorder_language_cost_weight", "encoder_quadratic_weight", "encoder_image_weight",
-                     "language_quadratic_weight"):
+                     "megatron_mimo_reorder_language_cost_weight", "megatron_mimo_reorder_encoder_quadratic_weight",
+                     "megatron_mimo_reorder_encoder_image_weight", "megatron_mimo_reorder_language_quadratic_weight"):
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
                 raise ValueError(f"{name}={w!r}: must be a finite number >= 0")
@@ -67,16 +73,19 @@ class ReorderConfig:
                              "megatron_mimo_reorder_language_cost_weight=0.0 (and no quadratic or per-image "
                              "weight): at least one cost weight must be > 0, otherwise every sample costs 0 "
                              "and there is nothing to balance")
-        for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("spatial_merge_size", 1), ("overlap_ahead", 1),
-                              ("image_token_id", 0), ("vision_start_token_id", 0), ("gate_backoff", 0)):
+        for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("megatron_mimo_reorder_spatial_merge_size", 1),
+                              ("megatron_mimo_reorder_overlap_ahead", 1), ("megatron_mimo_reorder_image_token_id", 0),
+                              ("megatron_mimo_reorder_vision_start_token_id", 0),
+                              ("megatron_mimo_reorder_gate_backoff", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
                 raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
             object.__setattr__(self, name, int(v))
         if self.image_token_id == self.vision_start_token_id:
-            raise ValueError(f"image_token_id={self.image_token_id} equals vision_start_token_id="
-                             f"{self.vision_start_token_id}: they must be different tokens")
-        for name, top in (("min_gain", 1.0), ("min_saving", math.inf)):
+            raise ValueError(f"megatron_mimo_reorder_image_token_id={self.image_token_id} equals "
+                             f"megatron_mimo_reorder_vision_start_token_id={self.vision_start_token_id}: they must be "
+                             "different tokens")
+        for name, top in (("megatron_mimo_reorder_min_gain", 1.0), ("megatron_mimo_reorder_min_saving", math.inf)):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -85,12 +94,16 @@ class ReorderConfig:
                                  + " (or unset)")
             object.__setattr__(self, name, float(v))
         if self.gate_backoff and self.min_gain is None and self.min_saving is None:
-            raise ValueError(f"gate_backoff={self.gate_backoff}: the backoff skips windows after the cost-benefit "
-                             "gate kept them natural; set min_gain or min_saving too")
+            raise ValueError(f"megatron_mimo_reorder_gate_backoff={self.gate_backoff}: the backoff skips windows after "
+                             "the cost-benefit gate kept them natural; set megatron_mimo_reorder_min_gain or "
+                             "megatron_mimo_reorder_min_saving too")
         if not isinstance(self.balancer, str):
-            raise ValueError(f"balancer={self.balancer!r}: must be a balancer name (str)")
+            raise ValueError(f"megatron_mimo_reorder_balancer={self.balancer!r}: must be a balancer name (str)")
         from reorder.plan.balancers import get_balancer
-        get_balancer(self.balancer)  # raises ValueError naming balancer= and the known names
+        try:
+            get_balancer(self.balancer)
+        except ValueError as e:  # "balancer='x' is unknown; choose one of [...]": named as the field
+            raise ValueError(f"megatron_mimo_reorder_{e}") from None
 
     # -- convenience ---------------------------------------------------------------------------
     @property
@@ -112,6 +125,58 @@ class ReorderConfig:
     @property
     def window_size(self) -> int:
         return self.megatron_mimo_reorder_window_size
+
+    @property
+    def balancer(self) -> str:
+        return self.megatron_mimo_reorder_balancer
+
+    @property
+    def image_token_id(self) -> int:
+        return self.megatron_mimo_reorder_image_token_id
+
+    @property
+    def vision_start_token_id(self) -> int:
+        return self.megatron_mimo_reorder_vision_start_token_id
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.megatron_mimo_reorder_spatial_merge_size
+
+    @property
+    def shadow(self) -> bool:
+        return self.megatron_mimo_reorder_shadow
+
+    @property
+    def cross_slot(self) -> bool:
+        return self.megatron_mimo_reorder_cross_slot
+
+    @property
+    def encoder_quadratic_weight(self) -> float:
+        return self.megatron_mimo_reorder_encoder_quadratic_weight
+
+    @property
+    def language_quadratic_weight(self) -> float:
+        return self.megatron_mimo_reorder_language_quadratic_weight
+
+    @property
+    def encoder_image_weight(self) -> float:
+        return self.megatron_mimo_reorder_encoder_image_weight
+
+    @property
+    def min_gain(self) -> float | None:
+        return self.megatron_mimo_reorder_min_gain
+
+    @property
+    def min_saving(self) -> float | None:
+        return self.megatron_mimo_reorder_min_saving
+
+    @property
+    def overlap_ahead(self) -> int:
+        return self.megatron_mimo_reorder_overlap_ahead
+
+    @property
+    def gate_backoff(self) -> int:
+        return self.megatron_mimo_reorder_gate_backoff
 
     @property
     def needs_attention_mask(self) -> bool:
@@ -150,10 +215,12 @@ class ReorderConfig:
         found = {"image_token_id": get(hf_config, "image_token_id"),
                  "vision_start_token_id": get(hf_config, "vision_start_token_id"),
                  "spatial_merge_size": None if vision is None else get(vision, "spatial_merge_size")}
-        missing = [("vision_config." if k == "spatial_merge_size" else "") + k for k, v in found.items() if v is None]
+        missing = [k for k, v in found.items() if v is None]
         if missing:
-            raise ValueError(f"{kind} has no {', '.join(missing)}: not a Qwen-VL-style config; set "
-                             f"{', '.join(k for k, v in found.items() if v is None)} yourself")
+            where = ", ".join(("vision_config." if k == "spatial_merge_size" else "") + k for k in missing)
+            fields_ = ", ".join("megatron_mimo_reorder_" + k for k in missing)
+            raise ValueError(f"{kind} has no {where}: not a Qwen-VL-style config; set {fields_} yourself")
+        found = {f"megatron_mimo_reorder_{k}": v for k, v in found.items()}
         return cls.from_object({} if source is None else source, **{**found, **overrides})
 
 
@@ -189,37 +256,40 @@ def add_reorder_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    action="store_false", help="run each window's exchange synchronously")
     g.add_argument("--reorder-window-size", dest="megatron_mimo_reorder_window_size", type=int,
                    default=d.window_size, help="micro-batches balanced by one exchange")
-    g.add_argument("--reorder-overlap-ahead", dest="overlap_ahead", type=int, default=d.overlap_ahead,
+    g.add_argument("--reorder-overlap-ahead", dest="megatron_mimo_reorder_overlap_ahead", type=int,
+                   default=d.overlap_ahead,
                    help="with overlap: windows reordered ahead of the one being consumed (1: at most one "
                         "more window on the device; 2 absorbs jitter, one more window resident)")
-    g.add_argument("--reorder-balancer", dest="balancer", default=d.balancer,
+    g.add_argument("--reorder-balancer", dest="megatron_mimo_reorder_balancer", default=d.balancer,
                    help=f"assignment algorithm, one of {sorted(BALANCERS)}")
-    g.add_argument("--reorder-encoder-quadratic-weight", dest="encoder_quadratic_weight", type=float,
-                   default=d.encoder_quadratic_weight, help="cost per (patches of one image)^2")
-    g.add_argument("--reorder-language-quadratic-weight", dest="language_quadratic_weight", type=float,
-                   default=d.language_quadratic_weight, help="cost per (real tokens)^2")
-    g.add_argument("--reorder-encoder-image-weight", dest="encoder_image_weight", type=float,
+    g.add_argument("--reorder-encoder-quadratic-weight", dest="megatron_mimo_reorder_encoder_quadratic_weight",
+                   type=float, default=d.encoder_quadratic_weight, help="cost per (patches of one image)^2")
+    g.add_argument("--reorder-language-quadratic-weight", dest="megatron_mimo_reorder_language_quadratic_weight",
+                   type=float, default=d.language_quadratic_weight, help="cost per (real tokens)^2")
+    g.add_argument("--reorder-encoder-image-weight", dest="megatron_mimo_reorder_encoder_image_weight", type=float,
                    default=d.encoder_image_weight, help="cost per image (fixed per-image encoder work)")
-    g.add_argument("--reorder-cross-slot", dest="cross_slot", action="store_true",
+    g.add_argument("--reorder-cross-slot", dest="megatron_mimo_reorder_cross_slot", action="store_true",
                    help="balance over the W micro-batches of a window (samples may change micro-batch; only "
                         "with one optimizer step per window and loss normalized over the global batch)")
-    g.add_argument("--reorder-min-gain", dest="min_gain", type=float, default=None,
+    g.add_argument("--reorder-min-gain", dest="megatron_mimo_reorder_min_gain", type=float, default=None,
                    help="cost-benefit gate: keep a micro-batch's natural assignment unless its relative "
                         "gain in max group load exceeds this (0..1)")
-    g.add_argument("--reorder-min-saving", dest="min_saving", type=float, default=None,
+    g.add_argument("--reorder-min-saving", dest="megatron_mimo_reorder_min_saving", type=float, default=None,
                    help="cost-benefit gate: keep a micro-batch's natural assignment unless it saves more "
                         "than this in max group load (cost units; ms with calibrated weights)")
-    g.add_argument("--reorder-gate-backoff", dest="gate_backoff", type=int, default=d.gate_backoff,
+    g.add_argument("--reorder-gate-backoff", dest="megatron_mimo_reorder_gate_backoff", type=int,
+                   default=d.gate_backoff,
                    help="after k planned windows in a row kept natural by the gate, skip the next "
                         "min(2^(k-1), N) windows without planning or communicating (0: off)")
-    g.add_argument("--reorder-shadow", dest="shadow", action="store_true",
+    g.add_argument("--reorder-shadow", dest="megatron_mimo_reorder_shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
-    g.add_argument("--reorder-image-token-id", dest="image_token_id", type=int, default=d.image_token_id,
+    g.add_argument("--reorder-image-token-id", dest="megatron_mimo_reorder_image_token_id", type=int,
+                   default=d.image_token_id,
                    help="the image placeholder token (the HF config's image_token_id; default Qwen3.5's)")
-    g.add_argument("--reorder-vision-start-token-id", dest="vision_start_token_id", type=int,
+    g.add_argument("--reorder-vision-start-token-id", dest="megatron_mimo_reorder_vision_start_token_id", type=int,
                    default=d.vision_start_token_id,
                    help="the token that opens each image (vision_start_token_id; default Qwen3.5's)")
-    g.add_argument("--reorder-spatial-merge-size", dest="spatial_merge_size", type=int,
+    g.add_argument("--reorder-spatial-merge-size", dest="megatron_mimo_reorder_spatial_merge_size", type=int,
                    default=d.spatial_merge_size,
                    help="patches merged per placeholder along each side (vision_config.spatial_merge_size)")
     return parser
