@@ -21,8 +21,8 @@ from reorder.batch import packing
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
 from reorder.exchange.dist import build_groups
-from reorder.exchange import wire
-from reorder.exchange.exchanger import COLS
+from reorder.plan import wire
+from reorder.plan.counts import COLUMNS
 from reorder.batch.layout import grid_of, tensors
 
 
@@ -184,7 +184,7 @@ def main():
                     text = io.StringIO()
                     pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
                     profile_text = text.getvalue()
-            meta = torch.zeros(wire.window_words(w, per, COLS), dtype=torch.int64)
+            meta = torch.zeros(wire.window_words(w, per, len(COLUMNS)), dtype=torch.int64)
             gloo_out = [torch.empty_like(meta) for _ in range(world)]
             gloo_ms = timed(lambda: dist.all_gather(gloo_out, meta, group=groups.main.meta_group), args.reps * 4)
             meta_ms = timed(lambda: groups.main.all_gather(meta), args.reps * 4)  # the metadata step's floor

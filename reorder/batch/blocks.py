@@ -1,0 +1,82 @@
+"""Micro-batches as byte buffers and back: what an executor reads and what it writes.
+
+`byte_fields(layout)` is the layout as numbers (`ByteField`s, in the order of the data wire
+format); `field_buffers` gives one shard's buffers in that order (each field's contiguous bytes,
+plus its pickled list entries); `view_block` turns an output block written in the wire format back
+into a shard of typed views (no copy; lists unpickled from the block's list region).
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import torch
+
+from reorder.batch.layout import BatchLayout, DenseField, Shard
+from reorder.plan.counts import SampleCounts
+from reorder.plan.moves import ByteField
+
+
+def byte_fields(layout: BatchLayout) -> tuple:
+    """The layout's fields as bytes: dense fields, then per-row and per-image fields, in layout
+    order, then one "list" field for the per-sample list entries (when the batch has lists)."""
+    out = [ByteField("dense", *_pre_unit(f)) for f in layout.dense]
+    out += [ByteField(f.per, 1, f.entry_bytes) for f in layout.ragged]
+    if layout.lists:
+        out.append(ByteField("list", 1, 1))
+    return tuple(out)
+
+
+def unit_bytes(layout: BatchLayout) -> tuple:
+    """(bytes of one sample's dense fields, of one patch row, of one image's per-image fields)."""
+    return layout.dense_sample_bytes, layout.row_bytes, layout.image_bytes
+
+
+def _pre_unit(f: DenseField) -> tuple:
+    """(entries before the batch dim, bytes of one sample per such entry)."""
+    return math.prod(f.sample_shape[:f.batch_dim]), math.prod(f.sample_shape[f.batch_dim:]) * f.dtype.itemsize
+
+
+def field_buffers(layout: BatchLayout, shard: Shard, blobs: list) -> list:
+    """The shard's buffers in `byte_fields` order: each field as contiguous bytes (a copy only when
+    the field is not contiguous) and the concatenated pickled list entries `blobs` (host bytes)."""
+    out = [_bytes(shard.dense[f.path]) for f in layout.dense]
+    out += [_bytes(shard.ragged[f.path]) for f in layout.ragged]
+    if layout.lists:
+        data = b"".join(blobs)
+        out.append(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(-1).view(torch.uint8)
+
+
+def view_block(layout: BatchLayout, block: torch.Tensor, regions: np.ndarray, counts: SampleCounts) -> Shard:
+    """The b samples written into `block` (uint8, the wire format; field regions at byte offsets
+    `regions`) as a shard of typed views; counts [b]: the samples' rows, images and list bytes."""
+    n = counts.shape[0]
+    out = Shard(n=n)
+    at = iter(regions.tolist())
+    for f in layout.dense:
+        out.dense[f.path] = _view(block, next(at), f.dtype, f.full_shape(n))
+    totals = {"row": int(counts.rows.sum()), "image": int(counts.images.sum())}
+    for f in layout.ragged:
+        out.ragged[f.path] = _view(block, next(at), f.dtype, (totals[f.per], *f.entry_shape))
+    if layout.ragged:
+        out.row_counts, out.image_counts = torch.from_numpy(counts.rows.copy()), torch.from_numpy(counts.images.copy())
+    if layout.lists:
+        lens = counts.list_bytes.tolist()
+        start = next(at)
+        raw = bytes(block[start:start + sum(lens)].cpu().numpy())  # one device-to-host copy
+        ends = np.cumsum([0] + lens)
+        out.lists = [pickle.loads(raw[a:b]) for a, b in zip(ends[:-1], ends[1:])]
+    return out
+
+
+def _view(block: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    return block[at:at + nbytes].view(dtype).view(shape)

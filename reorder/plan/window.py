@@ -1,0 +1,149 @@
+"""Plan a window: from every rank's counts, the canonical orders and everything they imply.
+
+`plan_window` is pure (numpy in, a frozen `WindowPlan` out; no torch, no collectives), and every
+rank of every module computes the same plan from the same gathered counts. A module of DP size 1,
+a window the cost-benefit gate keeps natural, shadow mode and cross-slot balancing are cases of the
+same plan, not separate code paths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from reorder.plan.balancers import get_balancer
+from reorder.plan.cost import CostModel
+from reorder.plan.counts import SampleCounts
+from reorder.plan.grid import Grid
+from reorder.plan.orders import plan_gated_orders, rank_loads
+from reorder.plan.routes import inverse
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanSettings:
+    """How a window is planned (identical on every rank; checked once through the config frame).
+
+    balancer: a name of `BALANCERS`; min_gain / min_saving: the cost-benefit gate (a slot keeps its
+    natural order unless the relative gain exceeds min_gain and the saving, in cost units, exceeds
+    min_saving; None: that test is off); cross_slot: one assignment over the window's W x G
+    (slot, group) cells, so samples may change micro-batch (only when the optimizer steps once per
+    window and the loss is normalized over it); shadow: plan and report, move nothing."""
+
+    balancer: str = "balanced"
+    min_gain: float | None = None
+    min_saving: float | None = None
+    cross_slot: bool = False
+    shadow: bool = False
+
+    def __post_init__(self):
+        get_balancer(self.balancer)  # raises with the list of names
+        if self.min_gain is not None and (isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float))
+                                          or not 0 <= self.min_gain < 1):
+            raise ValueError(f"min_gain={self.min_gain!r} is invalid: the relative gain threshold must be in [0, 1)")
+        if self.min_saving is not None and (isinstance(self.min_saving, bool)
+                                            or not isinstance(self.min_saving, (int, float))
+                                            or not math.isfinite(self.min_saving) or self.min_saving < 0):
+            raise ValueError(f"min_saving={self.min_saving!r} is invalid: the saving threshold (cost units) must be "
+                             "a finite number >= 0")
+
+    @property
+    def gated(self) -> bool:
+        return self.min_gain is not None or self.min_saving is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowPlan:
+    """One window's plan, from every rank's view alike.
+
+    orders [W, B]: slot s's canonical order (natural indices); with cross_slot, row s lists the
+    window's flat natural ids (slot * B + j) that make up output slot s. dest_slot / dest_pos
+    [W * B]: where each natural sample (flat id) goes. gated [W]: slots the gate kept natural.
+    costs [W, B]; loads_before / loads_after [W, dp]: per-rank cost, natural vs planned. moved
+    [W, B]: samples that change rank (with cross_slot: change (slot, rank)). moved_bytes: their
+    payload (0 when the layout's byte sizes were not given)."""
+
+    dp: int
+    orders: np.ndarray
+    dest_slot: np.ndarray
+    dest_pos: np.ndarray
+    gated: np.ndarray
+    costs: np.ndarray
+    loads_before: np.ndarray
+    loads_after: np.ndarray
+    moved: np.ndarray
+    moved_bytes: int
+    cross_slot: bool = False
+    shadow: bool = False
+
+    @property
+    def slots(self) -> int:
+        return self.orders.shape[0]
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.orders.shape[1]
+
+    @property
+    def moves_anything(self) -> bool:
+        """Any sample changes rank: the same answer on every rank, so all skip the all_to_all together."""
+        return bool(self.moved.any())
+
+    @property
+    def fully_gated(self) -> bool:
+        return bool(self.gated.all())
+
+    @property
+    def spread_before(self) -> float:
+        return spread(self.loads_before)
+
+    @property
+    def spread_after(self) -> float:
+        return spread(self.loads_after)
+
+
+def spread(loads: np.ndarray) -> float:
+    """Mean over slots of max / mean per-rank load (slots with no load left out; 1.0 when none has)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    mean = loads.mean(axis=1)
+    ok = mean > 0
+    return float((loads.max(axis=1)[ok] / mean[ok]).mean()) if ok.any() else 1.0
+
+
+def window_costs(counts: SampleCounts, cost: CostModel) -> np.ndarray:
+    """float64 [W, B]: the cost of every sample of the window."""
+    return cost.costs(counts.placeholders, counts.real_tokens, counts.square_patches, counts.images)
+
+
+def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: PlanSettings,
+                unit_bytes: tuple = (0, 0, 0)) -> WindowPlan:
+    """The plan of a window whose gathered counts are [W, B] (natural order per slot).
+
+    unit_bytes: (bytes of one sample's dense fields, of one vision patch row, of one image's
+    per-image fields), for `moved_bytes`."""
+    costs = window_costs(counts, cost)
+    w, batch = costs.shape
+    cross = settings.cross_slot and w > 1
+    if cross:  # one assignment over W x G cells: the window is one batch of W*B samples
+        order, gated = plan_gated_orders(costs.reshape(1, -1), grid.groups * w, settings.balancer,
+                                         settings.min_gain, settings.min_saving)
+        orders, gated = order.reshape(w, batch), np.repeat(gated, w)
+        flat_pos = inverse(order)[0]  # canonical position in the window's one order
+        dest_slot, dest_pos = flat_pos // batch, flat_pos % batch
+        after = costs.reshape(-1)[order[0]].reshape(w, grid.dp, batch // grid.dp).sum(axis=2)
+    else:
+        orders, gated = plan_gated_orders(costs, grid.groups, settings.balancer, settings.min_gain,
+                                          settings.min_saving)
+        dest_slot = np.repeat(np.arange(w, dtype=np.int64), batch)
+        dest_pos = inverse(orders).reshape(-1)
+        after = rank_loads(costs, orders, grid.dp)
+    b = batch // grid.dp
+    src_rank = np.tile(np.arange(batch) // b, w)
+    src_slot = np.repeat(np.arange(w), batch)
+    moved = ((dest_pos // b != src_rank) | (dest_slot != src_slot)).reshape(w, batch)
+    d, r, i = unit_bytes
+    sample_bytes = d + counts.rows * r + counts.images * i + counts.list_bytes
+    return WindowPlan(dp=grid.dp, orders=orders, dest_slot=dest_slot, dest_pos=dest_pos, gated=gated, costs=costs,
+                      loads_before=rank_loads(costs, None, grid.dp), loads_after=after, moved=moved,
+                      moved_bytes=int(sample_bytes[moved].sum()), cross_slot=cross, shadow=settings.shadow)
