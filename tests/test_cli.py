@@ -274,3 +274,44 @@ def test_run_processes_reports_the_failing_rank():
     with pytest.raises(ProcessesFailed, match=r"^rank 1: ValueError: boom on rank 1") as e:
         run_processes(_raise_on_rank_1, 3, timeout=60)
     assert "Traceback" in e.value.details
+
+
+# ---- simulate: layouts, progress, planning time ---------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, encoder, language", [(["--dp", "4,2"], 4, 2),
+                                                       (["--vision-dp", "2", "--language-dp", "3"], 2, 3)])
+def test_simulate_refuses_a_layout_the_library_refuses(tmp_path, layout, encoder, language):
+    from reorder.integrations.config import check_model_layout
+
+    with pytest.raises(ValueError) as library:
+        check_model_layout(encoder_pp=1, encoder_dp=encoder, language_dp=language, fixed_width_padding=True)
+    proc = cli("simulate", "--mix", "small", "--samples", "256", "--micro-batch", "12", *layout, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert str(library.value) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_simulate_shows_progress_on_long_runs_only(tmp_path):
+    args = ("simulate", "--mix", "small", "--samples", "256", "--dp", "2,4", "--balancer", "lpt")
+    quick = ok(cli(*args, cwd=tmp_path))
+    assert "planning:" not in quick.stderr  # under --progress-after (2 s by default): no bar
+    slow = ok(cli(*args, "--progress-after", "0", cwd=tmp_path))  # as if the run had lasted 2 s already
+    assert "planning:" in slow.stderr and "/48 [" in slow.stderr  # tqdm: the bound per module + lpt, 16 mb each
+    assert "planning:" not in slow.stdout and "mb/s" not in slow.stdout  # the tables stay clean
+
+
+def test_simulate_plan_time_leaves_out_the_first_call(tmp_path):
+    """A balancer whose first call costs 0.5 s (one-time set-up): plan us/mb is the steady time, and
+    the set-up is reported apart."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import time\nimport reorder.plan.balancers as b\nfast, calls = b.BALANCERS['lpt'], []\n"
+        "def slow_first(costs, groups):\n    if not calls:\n        calls.append(1)\n        time.sleep(0.5)\n"
+        "    return fast(costs, groups)\nb.BALANCERS['lpt'] = slow_first\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "reorder", "simulate", "--mix", "small", "--samples", "512",
+                           "--dp", "2,4", "--balancer", "lpt", "--json", "-"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    data = json.loads(ok(proc).stdout)
+    lpt = data["balancers"]["lpt"]["language"]
+    assert lpt["plan_first_call_ms"] >= 500 and lpt["plan_us_per_microbatch"] < 5000  # 32 mb: 15625 with the call
+    assert "(lpt 5" in proc.stderr and "ms)" in proc.stderr  # "... one-time set-up (lpt 500.x ms)"
