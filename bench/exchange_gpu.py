@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from reorder import CostModel, WindowExchanger
 
-from reorder.batch import packing
+from reorder.batch.blocks import take
+from reorder.plan.window import plan_window
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
 from reorder.exchange.dist import build_groups
@@ -40,15 +41,6 @@ def timed(fn, reps):
         _sync()
         ts.append((time.perf_counter() - t) * 1e3)
     return float(np.median(ts))
-
-
-def _empty(shard):
-    """A shard of no samples with the fields of `shard` (a second source for `take`)."""
-    from reorder.batch.layout import Shard
-    return Shard(n=0, dense={p: t.narrow(1 if p == ("position_ids",) and t.dim() == 3 else 0, 0, 0)
-                             for p, t in shard.dense.items()},
-                 ragged={p: t[:0] for p, t in shard.ragged.items()}, row_counts=shard.row_counts[:0],
-                 image_counts=shard.image_counts[:0], lists=[] if shard.lists is not None else None)
 
 
 def host_costs(dev, exchange_once):
@@ -211,18 +203,14 @@ def main():
                 k = iter(range(10**9))
                 perm_split[mb, kind] = timed(lambda: loc.exchange([mine[next(k) % len(mine)]]), args.reps * 8)
         g = gs[next(i for i, r in enumerate(reps) if (r.orders != np.arange(mb)).any())]
-        lay, shards, counts = loc._prepare([g])
-        costs = cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])
-        order = loc._plan(costs)[0][0]
+        win = loc._prepare([g])
+        plan_args = (win.counts, cost, loc.grid, loc.settings)
+        order = plan_window(*plan_args).orders[0]
         dp1_parts[mb] = dict(
             prepare=timed(lambda: loc._prepare([g]), args.reps * 4),
             counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid_thw=grid_of(g)), args.reps * 4),
-            plan=timed(lambda: loc._plan(costs), args.reps * 4),
-            take=timed(lambda: packing.take(lay, [shards[0][0]], order, dev), args.reps * 4),
-            # the same take through the packing path (one buffer, byte-range views), which a
-            # second, empty source forces: what the per-field gather replaced
-            take_packed=timed(lambda: packing.take(lay, [shards[0][0], _empty(shards[0][0])], order, dev),
-                              args.reps * 4))
+            plan=timed(lambda: plan_window(*plan_args), args.reps * 4),
+            take=timed(lambda: take(win.layout, [win.shards[0]], order, dev), args.reps * 4))
         # from pinned host memory (a data loader's batch): the whole dp-1 exchange, which lands on the
         # device in canonical order, against what reorder off does (every tensor .to(device))
         hs = [pin(syn.make_global_batch(np.random.default_rng(7 + i), mb, S, features=F, mix=args.mix))

@@ -26,15 +26,17 @@ from reorder.plan.grid import Grid
 
 
 class Replay:
-    """Collectives that return recorded results in order (cycling): no wire, no waiting."""
+    """Collectives that return recorded results in order: no wire, no waiting. The first `once`
+    results (the config frame, gathered before the first window only) are returned once, the rest
+    cycle (one window's metadata and data)."""
 
-    def __init__(self, rank, size, results):
-        self.rank, self.size, self.results, self.k = rank, size, results, 0
+    def __init__(self, rank, size, results, once=1):
+        self.rank, self.size, self.results, self.once, self.k = rank, size, results, once, 0
 
     def _next(self):
-        r = self.results[self.k % len(self.results)]
+        k = self.k if self.k < self.once else self.once + (self.k - self.once) % (len(self.results) - self.once)
         self.k += 1
-        return r
+        return self.results[k]
 
     def all_gather(self, t):
         return self._next()

@@ -8,7 +8,7 @@ first. Prints a markdown table and exits 1 if any mutation survives (2 if the un
 already fails, i.e. the check itself is meaningless).
 
     python ci/mutants.py                     # all mutations
-    python ci/mutants.py -k lpt -k routes    # only mutations whose name contains one of these
+    python ci/mutants.py -k lpt -k moves     # only mutations whose name contains one of these
     python ci/mutants.py --list              # print the mutations and exit
     python ci/mutants.py --rev HEAD          # test a commit's tree instead of the working tree
     python ci/mutants.py -- --hypothesis-seed=0   # extra pytest args after --
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ALL_TESTS = ("tests/test_grid_cost_plan.py", "tests/test_routes.py", "tests/test_packing.py",
-             "tests/test_exchange_emulated.py")
+ALL_TESTS = ("tests/test_grid_cost_plan.py", "tests/test_moves.py", "tests/test_packing.py",
+             "tests/test_exchange_emulated.py", "tests/test_exchange_faults.py")
 
 
 @dataclass(frozen=True)
@@ -45,88 +45,83 @@ class Mutation:
     tests: tuple = ALL_TESTS
 
 
-# the distributed path's cost line (the dp == 1 path `_local` has the same line after `counts.numpy()`)
-EXCHANGE_COSTS = ("# natural order per slot\n"
-                  "        t_plan = time.perf_counter()\n"
-                  "        costs = self.cost.costs(counts[..., 0], counts[..., 1], counts[..., 5], counts[..., 2])")
-
 MUTATIONS = [
     # 1. LPT visit order (-cost, -index) instead of (-cost, index): ties broken the wrong way.
     Mutation("lpt tie-break flipped (-cost, -index)", "reorder/plan/balancers.py",
              'visit = np.argsort(-c, kind="stable")  # (-cost, index)',
              "visit = np.lexsort((-np.arange(len(c)), -c))"),
-    # 2a. Reassembly gather of slot s reads the canonical order of slot s-1.
-    Mutation("routes gather uses previous slot's order", "reorder/plan/routes.py",
-             "nat = orders[s, rank * b:(rank + 1) * b]",
-             "nat = orders[s - 1, rank * b:(rank + 1) * b]"),
-    # 2b. Stable sort key without the slot term: pieces ordered by (position, slot), not (slot, position).
-    Mutation("routes sort key drops slot term", "reorder/plan/routes.py",
-             "key = (np.arange(slots)[:, None] * batch + pos).reshape(-1)",
-             "key = (np.zeros((slots, 1), dtype=np.int64) + pos).reshape(-1)"),
-    # 3a. Received pieces of the other sources concatenated in descending source order.
-    Mutation("exchange receive sources reversed", "reorder/exchange/exchanger.py",
-             "sources = [shards[s][0]] + [pieces[q, s] for q in range(dp) if (q, s) in pieces]",
-             "sources = [shards[s][0]] + [pieces[q, s] for q in reversed(range(dp)) if (q, s) in pieces]"),
-    # 3b. Within one source, arrival order assumed descending instead of ascending.
-    Mutation("routes arrival order within source reversed", "reorder/plan/routes.py",
-             "idx[from_q] = base + np.arange(int(from_q.sum()))",
-             "idx[from_q] = base + np.arange(int(from_q.sum()))[::-1]"),
-    # 4a. ragged entry offsets shifted by one sample: every sample's rows start at its neighbour's.
-    Mutation("packing ragged offsets off-by-one", "reorder/batch/packing.py",
-             "np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])",
-             "np.concatenate([[0, 0], np.cumsum(counts, dtype=np.int64)[:-1]])"),
-    # 4b. the copy does not pad the dense regions to ALIGN (nbytes and the views still do).
-    Mutation("packing copy skips ALIGN padding (dense)", "reorder/batch/packing.py",
-             "cat.add(sources[k].dense(f, p, post, a, b))\n        cat.pad()",
-             "cat.add(sources[k].dense(f, p, post, a, b))"),
+    # 2a. wire order per peer without the slot term: pieces ordered by position alone.
+    Mutation("moves wire order drops the slot term", "reorder/plan/moves.py",
+             "return ids[sel][np.lexsort((plan.dest_pos[sel], plan.dest_slot[sel], peer[sel]))]",
+             "return ids[sel][np.lexsort((plan.dest_pos[sel], peer[sel]))]"),
+    # 2b. samples inside a piece indexed in reverse arrival order.
+    Mutation("moves index inside a piece reversed", "reorder/plan/moves.py",
+             "j = _grouped_before(np.ones(len(key), np.int64), key)",
+             "j = _grouped_before(np.ones(len(key), np.int64), key)[::-1]"),
+    # 3. running entry offsets inclusive instead of exclusive: every sample's rows start at its neighbour's end.
+    Mutation("moves ragged offsets off by one sample", "reorder/plan/moves.py",
+             "run = np.cumsum(values) - values",
+             "run = np.cumsum(values)"),
+    # 4a. regions not padded to ALIGN.
+    Mutation("moves regions not aligned", "reorder/plan/moves.py",
+             "sizes = np.stack([align(f.pre * n * f.unit) if f.kind == \"dense\" else align(totals[f.kind] * f.unit)",
+             "sizes = np.stack([(f.pre * n * f.unit) if f.kind == \"dense\" else align(totals[f.kind] * f.unit)"),
+    # 4b. the leading index of a dense field (MRoPE [3, B, S]) not strided by the container's samples.
+    Mutation("moves dense leading index stride dropped", "reorder/plan/moves.py",
+             "(p * pl.n[:, None] + pl.j[:, None]) * f.unit",
+             "(p + pl.j[:, None]) * f.unit"),
+    # 4c. per-image fields placed by their sample's rows.
+    Mutation("moves per-image fields by row offsets", "reorder/plan/moves.py",
+             "offs = [pl.base + pl.region[:, f_i] + pl.before[f.kind] * f.unit for pl in (src, dst)]",
+             "offs = [pl.base + pl.region[:, f_i] + pl.before[\"row\"] * f.unit for pl in (src, dst)]"),
     # 5a. spatial merge factor not squared.
     Mutation("cost merge factor not squared", "reorder/plan/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
              "merge2 = float(self.spatial_merge_size)"),
     # 5b. real-token count includes padding.
-    Mutation("cost attention mask counts padding", "reorder/plan/cost.py",
+    Mutation("counting attention mask counts padding", "reorder/batch/counting.py",
              "(m.numpy() != 0).sum(axis=1, out=out[1])",
              "(m.numpy() >= 0).sum(axis=1, out=out[1])"),
     # 6. owner of a canonical group round-robin (modulo) instead of contiguous blocks (division).
     Mutation("grid owner modulo instead of division", "reorder/plan/grid.py",
              "return group // self.groups_per_rank",
              "return group % self.dp"),
-    # 7a. exchange language cost from the image-count column instead of real tokens.
-    Mutation("exchange cost real-token column -> images", "reorder/exchange/exchanger.py",
-             EXCHANGE_COSTS,
-             EXCHANGE_COSTS.replace("counts[..., 0], counts[..., 1]", "counts[..., 0], counts[..., 2]")),
-    # 7b. exchange encoder cost from the image-count column instead of placeholders.
-    Mutation("exchange cost placeholder column -> images", "reorder/exchange/exchanger.py",
-             EXCHANGE_COSTS,
-             EXCHANGE_COSTS.replace("counts[..., 0], counts[..., 1]", "counts[..., 2], counts[..., 1]")),
-    # 8. the error bit of the all-gathered header is always 0: a rank-local error is not shared.
-    Mutation("exchange header error bit always 0", "reorder/exchange/wire.py",
+    # 7a. the window's language cost from the image column instead of real tokens.
+    Mutation("window cost real tokens -> images", "reorder/plan/window.py",
+             "cost.costs(counts.placeholders, counts.real_tokens, counts.square_patches, counts.images)",
+             "cost.costs(counts.placeholders, counts.images, counts.square_patches, counts.images)"),
+    # 7b. the window's encoder cost from the image column instead of placeholders.
+    Mutation("window cost placeholders -> images", "reorder/plan/window.py",
+             "cost.costs(counts.placeholders, counts.real_tokens, counts.square_patches, counts.images)",
+             "cost.costs(counts.images, counts.real_tokens, counts.square_patches, counts.images)"),
+    # 8. the error bit of the all-gathered window frame is always 0: a rank-local error is not shared.
+    Mutation("window frame error bit always 0", "reorder/plan/wire.py",
              "frame[:TEXT_AT] = (MAGIC, int(error is not None), slots,",
              "frame[:TEXT_AT] = (MAGIC, 0, slots,"),
-    # 8b. when no sample changes rank, the local reorder keeps natural order instead of the plan's.
-    Mutation("exchange no-transfer local reorder ignores the plan", "reorder/exchange/exchanger.py",
-             "[shards[s][0]], orders[s, r * b:(r + 1) * b] - r * b, s,",
-             "[shards[s][0]], np.sort(orders[s, r * b:(r + 1) * b] - r * b), s,"),
-    # 8c. the dp-1 module does not apply the gate backoff: it plans windows the dp > 1 modules skip.
-    Mutation("gate backoff missing on the dp-1 path", "reorder/exchange/exchanger.py",
-             "self._backoff(gated, layout)\n        plan_ms = (time.perf_counter() - t_plan) * 1e3\n        cross = self.cross_slot and len(batches) > 1",
-             "plan_ms = (time.perf_counter() - t_plan) * 1e3\n        cross = self.cross_slot and len(batches) > 1",
+    # 8b. a slot whose output is not this rank's own in order is taken as kept (returned unchanged).
+    Mutation("moves keep every slot", "reorder/plan/moves.py",
+             "minlength=w) == b",
+             "minlength=w) >= 0"),
+    # 8c. the driver never advances the gate backoff: it plans windows the other modules skip.
+    Mutation("gate backoff not advanced", "reorder/exchange/exchanger.py",
+             "self.backoff, self._paths = self.backoff.planned(plan.fully_gated), _paths(layout)",
+             "self._paths = _paths(layout)",
              ("tests/test_exchange_emulated.py",)),
     # 8d. the backoff never grows: one window skipped after every gated one.
-    Mutation("gate backoff does not double", "reorder/exchange/exchanger.py",
-             "self._skip = min(2 ** (self._gated_run - 1), self.gate_backoff)",
-             "self._skip = min(1, self.gate_backoff)",
-             ("tests/test_exchange_emulated.py",)),
+    Mutation("gate backoff does not double", "reorder/plan/backoff.py",
+             "skip=min(2 ** (run - 1), self.cap)",
+             "skip=min(1, self.cap)",
+             ("tests/test_exchange_emulated.py", "tests/test_backoff.py")),
     # 9. MRoPE position_ids [3, B, S] described with batch dim 0.
     Mutation("layout position_ids batch dim 0", "reorder/batch/layout.py",
              "want = 1 if v.dim() == 3 else 0",
              "want = 0"),
-    # 10. the dp-1 / local gather selects per-image fields (grid_thw) with the sample index.
-    Mutation("gather per-image fields by sample index", "reorder/batch/packing.py",
-             "out.ragged[f.path] = _select(t, 0, ix(t.device)[1])",
-             "out.ragged[f.path] = _select(t, 0, ix(t.device)[0])"),
+    # 10. the config frame is not compared: ranks configured differently go on.
+    Mutation("config frame never differs", "reorder/plan/wire.py",
+             "    if (gathered == gathered[0]).all():\n        return None",
+             "    if True:\n        return None"),
     # 11. device counting: squared run lengths summed as 2k instead of 2k + 1 per position.
-    Mutation("device square patches drop the +1", "reorder/plan/cost.py",
+    Mutation("device square patches drop the +1", "reorder/batch/counting.py",
              "return torch.where(m, 2 * (idx - run_start) + 1, 0).sum(dim=1)",
              "return torch.where(m, 2 * (idx - run_start), 0).sum(dim=1)",
              ("tests/test_grid_cost_plan.py",)),

@@ -22,7 +22,7 @@ from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.plan.grid import Grid
 from reorder.batch.layout import tensors
-from reorder.batch.packing import resolved
+from reorder.batch.blocks import resolved
 from spec.samples import per_sample_bytes
 
 

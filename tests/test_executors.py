@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reorder.plan.segments import FIELDS
 from reorder.exchange import executors as ex
 from reorder.exchange.executors import (Executor, Segments, TorchExecutor, check_bounds, launch_table,
                                         select_executor, word_width)
@@ -52,7 +53,7 @@ class Buffers:
 def oracle(segments, src_bytes, dst_bytes):
     """The copy, one Python slice assignment per segment."""
     out = [bytearray(b) for b in dst_bytes]
-    for sb, so, db, do, n in zip(*(getattr(segments, f).tolist() for f in ex.FIELDS)):
+    for sb, so, db, do, n in zip(*(getattr(segments, f).tolist() for f in FIELDS)):
         out[db][do:do + n] = src_bytes[sb][so:so + n]
     return out
 
@@ -158,9 +159,9 @@ def test_merged_fuses_a_split_copy_and_keeps_breaks():
     assert len(Segments.empty().merged()) == 0
 
 
-@pytest.mark.parametrize("field", ex.FIELDS)
+@pytest.mark.parametrize("field", FIELDS)
 def test_validation_names_the_field_and_value(field):
-    good = {f: np.zeros(3, np.int64) for f in ex.FIELDS}
+    good = {f: np.zeros(3, np.int64) for f in FIELDS}
     bad = dict(good, **{field: np.array([0, -7, 1], np.int64)})
     with pytest.raises(ValueError, match=rf"Segments\.{field}\[1\] = -7 is negative"):
         Segments(**bad)

@@ -1,4 +1,5 @@
-"""Byte-exact packing: every dtype, empty tensors, text-only and multi-image samples, MRoPE."""
+"""Byte-exact take (a local reorder or selection through the move list and the torch executor):
+every dtype, empty tensors, text-only and multi-image samples, MRoPE, lists."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reorder.batch import packing
+from reorder.batch.blocks import take
 from reorder.cli import synthetic as syn
 from reorder.batch.layout import LayoutError, Shard, describe, rebuild
 from spec.samples import per_sample_bytes
@@ -25,17 +26,7 @@ def random_of(dtype, shape, gen):
 def pack_roundtrip(batch, index):
     b = batch["input_ids"].shape[0]
     layout, shard = describe(batch, b, vision_start_token_id=syn.VISION_START)
-    sel = np.asarray(index, dtype=np.int64)
-    rows = int(shard.row_counts[sel].sum()) if shard.row_counts is not None else 0
-    imgs = int(shard.image_counts[sel].sum()) if shard.image_counts is not None else 0
-    blobs = shard.list_blobs()
-    lens = [len(blobs[i]) for i in sel]
-    size = packing.nbytes(layout, len(sel), rows, imgs, sum(lens))  # from metadata alone
-    buf = torch.full((size,), 0xAB, dtype=torch.uint8)
-    assert packing.pack(layout, shard, sel, buf, blobs=blobs) == size
-    back = packing.unpack(layout, buf, len(sel), None if shard.row_counts is None else shard.row_counts[sel],
-                          None if shard.image_counts is None else shard.image_counts[sel], lens)
-    return rebuild(batch, layout, back)
+    return rebuild(batch, layout, take(layout, [shard], index))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -76,7 +67,7 @@ def test_take_concatenates_shards_in_order():
     a, b = (syn.make_global_batch(rng, 3, 128, features=4, mix="small", first_id=k * 10) for k in range(2))
     la, sa = describe(a, 3, vision_start_token_id=syn.VISION_START)
     _, sb = describe(b, 3, vision_start_token_id=syn.VISION_START)
-    out = rebuild(a, la, packing.take(la, [sa, sb], [5, 0, 3]))
+    out = rebuild(a, la, take(la, [sa, sb], [5, 0, 3]))
     assert out["sample_id"].tolist() == [12, 0, 10]
     want = per_sample_bytes(a, vision_start_token_id=syn.VISION_START) + \
         per_sample_bytes(b, vision_start_token_id=syn.VISION_START)
@@ -96,59 +87,21 @@ def test_layout_errors_name_the_field():
         describe({"labels": torch.zeros(4, 5)}, 4, vision_start_token_id=1)
 
 
-@given(st.lists(st.integers(0, 40), max_size=40))
-def test_runs_are_maximal_and_rebuild_the_index(index):
-    got = packing.runs(index)
-    assert [i for a, b in got for i in range(a, b)] == index
-    assert all(a < b for a, b in got) and all(b1 != a2 for (_, b1), (a2, _) in zip(got, got[1:]))
-
-
 def test_take_returns_contiguous_fields():
     """A selection that is one run inside a larger shard (e.g. a rank's share) is still a contiguous
     tensor per field, MRoPE position_ids [3, B, S] (batch dim 1) included."""
     g = syn.make_global_batch(np.random.default_rng(5), 8, 64, features=4)
     layout, shard = describe(g, 8, vision_start_token_id=syn.VISION_START)
     for index in (np.arange(4, 8), np.array([5, 6, 0, 1])):
-        out = packing.take(layout, [shard], index)
+        out = take(layout, [shard], index)
         for t in list(out.dense.values()) + list(out.ragged.values()):
             assert t.is_contiguous(), t.shape
         assert out.dense[("position_ids",)].equal(g["position_ids"][:, index])
 
 
-def test_unpack_views_a_region_inside_a_larger_buffer():
-    """A packed region that starts inside a larger buffer (as in the receive buffer) views its own
-    bytes, not the buffer's start."""
-    g = syn.make_global_batch(np.random.default_rng(6), 4, 64, features=4)
-    layout, shard = describe(g, 4, vision_start_token_id=syn.VISION_START)
-    sel = np.array([2, 0])
-    size = packing.nbytes(layout, 2, int(shard.row_counts[sel].sum()), int(shard.image_counts[sel].sum()), 0)
-    buf = torch.zeros(size + 2 * packing.ALIGN, dtype=torch.uint8)
-    assert packing.pack(layout, shard, sel, buf[packing.ALIGN:]) == size
-    back = packing.unpack(layout, buf[packing.ALIGN:packing.ALIGN + size], 2, shard.row_counts[sel],
-                          shard.image_counts[sel], [])
-    assert per_sample_bytes(rebuild(g, layout, back), vision_start_token_id=syn.VISION_START) == \
-        [per_sample_bytes(g, vision_start_token_id=syn.VISION_START)[i] for i in sel]
-
-
-@pytest.mark.parametrize("big", [1, 64, 1 << 40])
-def test_big_ranges_are_copied_on_their_own_bit_exact(big, monkeypatch):
-    """Ranges of BIG bytes or more are copied one by one, smaller ones batched in one cat: every
-    split of the same selection gives the same bytes (pack, unpack and take)."""
-    monkeypatch.setattr(packing, "BIG", big)
-    g = syn.make_global_batch(np.random.default_rng(8), 6, 128, features=5, mix="small")
-    g["note"] = [f"n{i}" * i for i in range(6)]
-    out = pack_roundtrip(g, [5, 1, 2, 0])
-    want = per_sample_bytes(g, vision_start_token_id=syn.VISION_START)
-    assert per_sample_bytes(out, vision_start_token_id=syn.VISION_START) == [want[i] for i in [5, 1, 2, 0]]
-    layout, shard = describe(g, 6, vision_start_token_id=syn.VISION_START)
-    took = rebuild(g, layout, packing.take(layout, [shard], [3, 4, 0]))
-    assert per_sample_bytes(took, vision_start_token_id=syn.VISION_START) == [want[i] for i in [3, 4, 0]]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_take_of_one_shard_in_place_is_bit_exact_for_every_dtype(dtype):
-    """One shard whose fields stay on their device goes through the per-field gather (index_select,
-    or integer words for dtypes outside the standard set): same bytes as the packing path."""
+def test_take_across_shards_is_bit_exact_for_every_dtype(dtype):
+    """Every dtype, vision rows included, through one shard and through the concatenation of two."""
     gen = torch.Generator().manual_seed(1)
     batch = syn.make_global_batch(np.random.default_rng(3), 5, 64, features=3, mix="small", text_only=0.2)
     batch.update(x=random_of(dtype, (5, 3, 2), gen), pos=random_of(dtype, (5,), gen),
@@ -162,27 +115,7 @@ def test_take_of_one_shard_in_place_is_bit_exact_for_every_dtype(dtype):
                   ragged={f.path: shard.ragged[f.path][:0] for f in layout.ragged},
                   row_counts=shard.row_counts[:0], image_counts=shard.image_counts[:0])
     for index in ([4, 0, 2], [1, 1, 3, 0], [], [0, 1, 2, 3, 4][::-1]):
-        got = rebuild(batch, layout, packing.take(layout, [shard], index))
-        other = rebuild(batch, layout, packing.take(layout, [shard, empty], index))  # the packing path
-        for out in (got, other):
+        for shards in ([shard], [empty, shard, empty]):
+            out = rebuild(batch, layout, take(layout, shards, index))
             assert per_sample_bytes(out, vision_start_token_id=syn.VISION_START) == [want[i] for i in index]
             assert out["x"].dtype == dtype and out["position_ids"].shape == (3, len(index), 6)
-
-
-def test_take_of_one_shard_to_another_device_moves_every_field():
-    """One shard taken to another device (the meta device stands in for a GPU here): every field
-    lands there with the selection's shape and dtype, whole-and-in-order moves each field as is."""
-    g = syn.make_global_batch(np.random.default_rng(9), 6, 64, features=4, mix="small", text_only=0.2)
-    g["note"] = [f"n{i}" for i in range(6)]
-    layout, shard = describe(g, 6, vision_start_token_id=syn.VISION_START)
-    meta = torch.device("meta")
-    for index in ([5, 0, 2], list(range(6)), [1, 1]):
-        out = packing.take(layout, [shard], index, meta)
-        rows = int(shard.row_counts[index].sum())
-        for f in layout.dense:
-            assert out.dense[f.path].device == meta and out.dense[f.path].dtype == f.dtype
-            assert tuple(out.dense[f.path].shape) == f.full_shape(len(index))
-        for f in layout.ragged:
-            n = rows if f.per == "row" else int(shard.image_counts[index].sum())
-            assert out.ragged[f.path].device == meta and tuple(out.ragged[f.path].shape) == (n, *f.entry_shape)
-        assert out.lists == [shard.lists[i] for i in index] and out.row_counts.tolist() == shard.row_counts[index].tolist()

@@ -116,7 +116,6 @@ class Shard:
     row_counts: torch.Tensor | None = None
     image_counts: torch.Tensor | None = None
     lists: list | None = None  # n tuples, one entry per layout.lists path
-    flat: dict = field(default_factory=dict, repr=False, compare=False)  # Path -> 1-D view (packing's cache)
 
     def list_blobs(self) -> list:
         """Per-sample pickled list entries (empty bytes when the layout has no lists)."""

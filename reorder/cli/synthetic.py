@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reorder.batch import packing
+from reorder.batch.blocks import take
 from reorder.batch.layout import describe, rebuild
 
 IMAGE_TOKEN = 248056
@@ -91,7 +91,7 @@ def module_view(batch: dict, fields) -> dict:
 def take_samples(batch: dict, index, *, vision_start_token_id: int = VISION_START) -> dict:
     """A micro-batch holding samples `index` of `batch` (vision rows follow their samples)."""
     layout, shard = describe(batch, batch["input_ids"].shape[0], vision_start_token_id=vision_start_token_id)
-    return rebuild(batch, layout, packing.take(layout, [shard], index))
+    return rebuild(batch, layout, take(layout, [shard], index))
 
 
 def rank_share(batch: dict, dp: int, rank: int) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reorder.batch.blocks import byte_fields, field_buffers, unit_bytes, view_block
+from reorder.batch.blocks import byte_fields, field_buffers, resolved, unit_bytes, view_block
 from reorder.batch.layout import LayoutError, describe, field_at, grid_of, rebuild, unify
 from reorder.exchange.collectives import Collectives
 from reorder.exchange.executors import select_executor
@@ -306,7 +306,7 @@ class WindowExchanger:
 
     def _target(self, window: _Window) -> torch.device:
         """Where the reordered micro-batches go: `device`, else where input_ids lives."""
-        return _resolved(self.device) or window.shards[0].dense[("input_ids",)].device
+        return resolved(self.device) or window.shards[0].dense[("input_ids",)].device
 
     def _executor(self, device):
         ex = self._executors.get(device)
@@ -366,7 +366,7 @@ class WindowExchanger:
         if not batches:
             return [], None
         self.backoff = self.backoff.skipped()
-        dev = _resolved(self.device)
+        dev = resolved(self.device)
         out = batches if dev is None or self.shadow else [_fields_to(b, self._paths, dev) for b in batches]
         w, nan = len(batches), np.full((len(batches), self.grid.dp), np.nan)
         return out, WindowReport(slots=w, orders=np.tile(np.arange(self.global_batch), (w, 1)), loads_before=nan,
@@ -378,14 +378,6 @@ class WindowExchanger:
 
 def _paths(layout) -> list:
     return [f.path for f in layout.dense] + [f.path for f in layout.ragged]
-
-
-def _resolved(device: torch.device | None) -> torch.device | None:
-    """`device` with a CUDA index filled in (the current device), so it compares equal to the device
-    of tensors placed there."""
-    if device is not None and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _fields_to(batch: dict, paths: list, device: torch.device) -> dict:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
-from reorder.plan.segments import FIELDS, Segments
+from reorder.plan.segments import Segments
 
 log = logging.getLogger("reorder")
 

@@ -205,3 +205,35 @@ def _split(items: np.ndarray, peer: np.ndarray, dp: int) -> tuple:
     """Per peer, its items (in wire order, grouped by peer)."""
     bounds = np.searchsorted(peer, np.arange(dp + 1))
     return tuple(items[bounds[q]:bounds[q + 1]] for q in range(dp))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TakeList:
+    """Samples `index` of sources concatenated, into one block (a local reorder or selection):
+    segments from sources [source * F + field] to destination 0; regions [F] and block_bytes of the
+    block; out_counts [n] of the samples taken."""
+
+    segments: Segments
+    regions: np.ndarray
+    block_bytes: int
+    out_counts: SampleCounts
+
+
+def take_moves(fields: tuple, counts: SampleCounts, sizes: list, index) -> TakeList:
+    """The copy of samples `index` (into the concatenation of sources holding sizes[i] samples each,
+    counts [sum(sizes)]) into one block in the wire format, any index (repeats, subsets) allowed."""
+    index = np.asarray(index, dtype=np.int64).reshape(-1)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    source = np.repeat(np.arange(len(sizes)), sizes)
+    first = np.cumsum(sizes) - sizes
+    entries = {k: counts.entries(k).reshape(-1).astype(np.int64) for k in KINDS}
+    before = {k: _grouped_before(entries[k], source) for k in KINDS[1:]}
+    n, nf = len(index), len(fields)
+    src = _Place(source[index] * nf, np.zeros(n, np.int64), sizes[source[index]], index - first[source[index]],
+                 {k: v[index] for k, v in before.items()}, np.zeros((n, nf), np.int64), 1)
+    out = {k: v[index] for k, v in entries.items()}
+    regions, block = piece_layout(fields, np.array([n]), {k: np.array([out[k].sum()]) for k in KINDS[1:]})
+    dst = _Place(np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, n, np.int64), np.arange(n),
+                 {k: _grouped_before(out[k], np.zeros(n, np.int64)) for k in KINDS[1:]}, np.repeat(regions, n, axis=0))
+    return TakeList(segments=_segments(fields, out, src, dst), regions=regions[0], block_bytes=int(block[0]),
+                    out_counts=SampleCounts(counts.table.reshape(-1, counts.table.shape[-1])[index]))

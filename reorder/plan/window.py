@@ -18,7 +18,6 @@ from reorder.plan.cost import CostModel
 from reorder.plan.counts import SampleCounts
 from reorder.plan.grid import Grid
 from reorder.plan.orders import plan_gated_orders, rank_loads
-from reorder.plan.routes import inverse
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +108,14 @@ def spread(loads: np.ndarray) -> float:
     mean = loads.mean(axis=1)
     ok = mean > 0
     return float((loads.max(axis=1)[ok] / mean[ok]).mean()) if ok.any() else 1.0
+
+
+def inverse(orders: np.ndarray) -> np.ndarray:
+    """Canonical position of every natural index, per slot: pos[s, order[s, p]] = p."""
+    orders = np.asarray(orders, dtype=np.int64)
+    pos = np.empty_like(orders)
+    pos[np.arange(orders.shape[0])[:, None], orders] = np.arange(orders.shape[1])[None, :]
+    return pos
 
 
 def window_costs(counts: SampleCounts, cost: CostModel) -> np.ndarray:
