@@ -1,0 +1,148 @@
+"""What one GPU can show of the exchange: dp-1 windows (a local reorder) against what reorder off
+does, the host time and the torch ops of one window, and planning at the largest MIMO sizes.
+
+  python bench/single_gpu.py [--device cuda] [--reps 50] [--out bench/results/single_gpu.json]
+
+Keys (JSON, printed as a table; times are medians over --reps, side by side in one process):
+- dp1_exchange_ms / to_device_ms / dp1_over_to_device_ms: a micro-batch of 4 from pinned host
+  memory reordered onto the device (permuted windows), against `.to(device)` of every field (what
+  reorder off does), synchronized; the difference is what reordering adds;
+- dp1_perm_ms_mb4: the same micro-batch already on the device, permuted, synchronized;
+- host_ms_per_window: host time of that device-resident window's exchange call (count, plan, move
+  list, pack and reassembly launches), not synchronized;
+- ops_per_window: torch ops the call dispatches (counted with a TorchDispatchMode);
+- plan_ms_<B>x<G> / moves_ms_<B>x<G>: `plan_window` (default balancer) and one rank's `build_moves`
+  for B samples over G = dp ranks, on the host;
+- executor: which executor carried the copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reorder import CostModel, Grid, WindowExchanger  # noqa: E402
+from reorder.cli import synthetic as syn  # noqa: E402
+from reorder.plan.counts import SampleCounts  # noqa: E402
+from reorder.plan.moves import ByteField, build_moves  # noqa: E402
+from reorder.plan.window import PlanSettings, plan_window  # noqa: E402
+
+COST = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+
+
+class Count(TorchDispatchMode):
+    """Counts the aten ops dispatched inside its `with` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def median_ms(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(out))
+
+
+def permuted_batches(mb, seq, features, mix, count=8):
+    """`count` micro-batches whose dp-1 plan permutes them (a natural one would copy nothing)."""
+    rng, out = np.random.default_rng(7), []
+    probe = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=COST)
+    while len(out) < count:
+        g = syn.make_global_batch(rng, mb, seq, features=features, mix=mix)
+        if (probe.exchange([g])[1].orders != np.arange(mb)).any():
+            out.append(g)
+    return out
+
+
+def dp1(args, dev) -> dict:
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    host = permuted_batches(args.micro_batch, args.seq_len, args.features, args.mix)
+    pinned = [syn.pin(g) for g in host] if dev.type == "cuda" else host
+    resident = [syn.to_device(g, dev) for g in host]
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
+    k = iter(range(10**9))
+    res = dict(dp1_exchange_ms=median_ms(lambda: ex.exchange([pinned[next(k) % 8]]), args.reps, sync),
+               to_device_ms=median_ms(lambda: syn.to_device(pinned[next(k) % 8], dev, non_blocking=True),
+                                      args.reps, sync),
+               dp1_perm_ms_mb4=median_ms(lambda: ex.exchange([resident[next(k) % 8]]), args.reps, sync))
+    res["dp1_over_to_device_ms"] = res["dp1_exchange_ms"] - res["to_device_ms"]
+    sync()
+    host_ms = []
+    for i in range(args.reps):
+        t = time.perf_counter()
+        ex.exchange([resident[i % 8]])
+        host_ms.append((time.perf_counter() - t) * 1e3)
+        sync()
+    res["host_ms_per_window"] = float(np.median(host_ms))
+    with Count() as c:
+        ex.exchange([resident[0]])
+    res["ops_per_window"] = sum(c.ops.values())
+    res["ops_by_kind"] = dict(collections.Counter({op: n for op, n in c.ops.items()}).most_common(12))
+    res["executor"] = ex._executor(resident[0]["input_ids"].device).name
+    return res
+
+
+def planning(sizes, reps) -> dict:
+    rng, out = np.random.default_rng(0), {}
+    fields = (ByteField("dense", 1, 16384), ByteField("dense", 3, 16384), ByteField("row", 1, 2352),
+              ByteField("image", 1, 24))
+    for batch, groups in sizes:
+        ph = rng.integers(250, 4000, size=(1, batch)) * (rng.random((1, batch)) > 0.3)
+        counts = SampleCounts.of(placeholders=ph, real_tokens=rng.integers(100, 4096, size=(1, batch)),
+                                 images=(ph > 0).astype(np.int64), rows=ph * 4)
+        grid = Grid(groups=groups, dp=groups, rank=groups // 2)
+        plan = plan_window(counts, COST, grid, PlanSettings())
+        out[f"plan_ms_{batch}x{groups}"] = median_ms(lambda: plan_window(counts, COST, grid, PlanSettings()), reps,
+                                                     lambda: None)
+        out[f"moves_ms_{batch}x{groups}"] = median_ms(lambda: build_moves(fields, counts, plan, grid.rank), reps,
+                                                      lambda: None)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--features", type=int, default=1176)
+    p.add_argument("--mix", default="large")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--plan-sizes", default="1024x64,8192x1024")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "single_gpu.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dev = torch.device(args.device)
+    res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
+               micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix)
+    res.update(dp1(args, dev))
+    res.update(planning([tuple(int(x) for x in s.split("x")) for s in args.plan_sizes.split(",")], args.reps))
+    for k, v in res.items():
+        if k != "ops_by_kind":
+            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
