@@ -11,12 +11,18 @@ import os
 import sys
 
 
+def _prog() -> str:
+    """How the user ran us: `python -m reorder` (argv[0] is this file) or the `reorder` console script."""
+    return "python -m reorder" if os.path.basename(sys.argv[0]) == "__main__.py" else "reorder"
+
+
 def main(argv=None) -> int:
     from reorder.cli import demo
     from reorder.cli import simulate
     from reorder.cli.common import CliError
 
-    parser = argparse.ArgumentParser(prog="python -m reorder",
+    prog = _prog()
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Rebalance multimodal micro-batches across DP ranks: demo and "
                                                  "what-if simulator.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,7 +39,7 @@ def main(argv=None) -> int:
         else:
             simulate.run(args)
     except CliError as e:
-        print(f"python -m reorder {args.command}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prog} {args.command}: error: {e}", file=sys.stderr, flush=True)
         return e.code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -315,3 +315,63 @@ def test_simulate_plan_time_leaves_out_the_first_call(tmp_path):
     lpt = data["balancers"]["lpt"]["language"]
     assert lpt["plan_first_call_ms"] >= 500 and lpt["plan_us_per_microbatch"] < 5000  # 32 mb: 15625 with the call
     assert "(lpt 5" in proc.stderr and "ms)" in proc.stderr  # "... one-time set-up (lpt 500.x ms)"
+
+
+# ---- the smaller command-line details ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ext, magic", [(".pdf", b"%PDF"), (".svg", b"<?xml")])
+def test_plot_writes_what_matplotlib_writes(tmp_path, ext, magic):
+    ok(cli("simulate", "--mix", "small", "--samples", "256", "--balancer", "lpt", "--plot", "sim" + ext, cwd=tmp_path))
+    assert (tmp_path / ("sim" + ext)).read_bytes().startswith(magic)
+    proc = cli("simulate", "--mix", "small", "--plot", "sim.jpg", cwd=tmp_path)
+    assert proc.returncode == 2 and "--plot sim.jpg: give a file name ending in .png, .pdf, .svg" in proc.stderr
+
+
+def test_demo_help_shows_every_default(tmp_path):
+    text = " ".join(ok(cli("demo", "--help", cwd=tmp_path)).stdout.split())
+    assert "image size mix (default realistic)" in text and "seed of the synthetic stream (default 0)" in text
+
+
+def test_one_window_reads_in_the_singular_and_a_module_made_worse_is_named(tmp_path):
+    """Seed 21, B 8, vision dp 2 + language dp 4: the plan that helps language costs vision 1.4 %."""
+    out = ok(cli("demo", "--micro-batch", "8", "--windows", "1", "--seq-len", "160", "--features", "4", "--mix",
+                 "small", "--seed", "21", cwd=tmp_path)).stdout
+    assert "1 window," in out and "summed over 1 micro-batch)" in out and "held on 1 window;" in out
+    assert "1 micro-batches" not in out and "1 windows" not in out
+    assert "note: balancer balanced made vision (dp 2) 1.4% worse than without reordering" in out
+    assert "made language" not in out
+    (tmp_path / "c.csv").write_text("cost\n" + "\n".join(str(c) for c in [5, 1, 1, 1, 1]) + "\n")
+    out = ok(cli("simulate", "c.csv", "--dp", "1", "--micro-batch", "4", cwd=tmp_path)).stdout
+    assert "1 micro-batch of B=4 in file order, 1 trailing sample dropped" in out
+
+
+def test_simulate_names_a_module_made_worse(tmp_path):
+    out = ok(cli("simulate", "--mix", "realistic", "--samples", "4096", "--dp", "8,16", "--micro-batch", "32",
+                 "--balancer", "lpt", "--balancer", "identity", cwd=tmp_path)).stdout
+    assert "note: balancer lpt made vision (dp 8) 5.6% worse than without reordering" in out
+    assert out.count("note:") == 1
+
+
+def test_a_negative_image_size_is_called_negative(tmp_path):
+    (tmp_path / "s.csv").write_text("image_sizes\n640x480\n-640x480\n")
+    proc = cli("simulate", "s.csv", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "line 3: field 'image_sizes' = '-640x480' has image 1 = '-640x480' whose width -640 is negative" \
+        in proc.stderr
+
+
+def test_usage_names_the_console_script_or_the_module(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "reorder")  # installed by `pip install -e .`
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.stdout.startswith("usage: reorder "), proc.stdout + proc.stderr
+    bad = subprocess.run([script, "simulate", "--mix", "small", "--samples", "0"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert bad.stderr.startswith("reorder simulate: error: --samples 0 is invalid"), bad.stderr
+    assert ok(cli("--help", cwd=tmp_path)).stdout.startswith("usage: python -m reorder ")
+
+
+def test_a_fractional_timeout_is_reported_as_given(tmp_path):
+    proc = cli("demo", "--timeout", "0.5", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "timed out after 0.5 s (a rank is stuck)" in proc.stderr

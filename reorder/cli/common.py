@@ -15,6 +15,20 @@ class CliError(Exception):
         self.code = code
 
 
+def plural(n: int, word: str) -> str:
+    """'1 micro-batch', '2 micro-batches', '1 window', '12 windows'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith(("ch", "sh", "s", "x")) else f"{n} {word}s"
+
+
+def worse_note(module: str, dp: int, saved: float, balancer: str, groups: int) -> str | None:
+    """One line when reordering made a module's straggler cost worse than the natural split (else None)."""
+    if saved >= 0:
+        return None
+    return (f"note: balancer {balancer} made {module} (dp {dp}) {-saved:.1%} worse than without reordering: one plan "
+            f"over the G={groups} groups serves every module, and a module with fewer ranks can lose where one with "
+            "more gains")
+
+
 def human_stream(args):
     """Where tables and progress go: stderr when the JSON summary takes stdout (--json -)."""
     return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
@@ -58,6 +72,9 @@ def make_plot(fn, path: str, *args) -> None:
         raise CliError(f"cannot write --plot {path}: {e.strerror or e}") from None
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes from the file name
+
+
 def check_plot_path(path: str | None) -> None:
     """Fail fast (before a long run) when --plot cannot work."""
     if not path:
@@ -66,8 +83,8 @@ def check_plot_path(path: str | None) -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise CliError("--plot needs matplotlib: pip install 'reorder[plot]' (or pip install matplotlib)")
-    if not path.lower().endswith(".png"):
-        raise CliError(f"--plot {path}: give a .png file name")
+    if not path.lower().endswith(PLOT_FORMATS):
+        raise CliError(f"--plot {path}: give a file name ending in {', '.join(PLOT_FORMATS)} (the format follows it)")
 
 
 def layout_from_args(args) -> dict:

@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from reorder.cli.common import CliError, check_plot_path, human_stream, make_plot, write_json
+from reorder.cli.common import CliError, check_plot_path, human_stream, make_plot, plural, worse_note, write_json
 
 MODULES = ("vision", "language")
 
@@ -44,15 +44,17 @@ def add_args(p: argparse.ArgumentParser):
                    help="exchange the next window on a background thread (default on)")
     p.add_argument("--seq-len", type=int, default=2048, help="padded sequence length S (default 2048)")
     p.add_argument("--features", type=int, default=64, help="patch feature width (default 64)")
-    p.add_argument("--mix", default="realistic", choices=sorted(syn.SIZE_MIXES), help="image size mix")
+    p.add_argument("--mix", default="realistic", choices=sorted(syn.SIZE_MIXES),
+                   help="image size mix (default realistic)")
     p.add_argument("--language-weight", type=float, default=0.0,
                    help="cost weight of real text tokens (default 0: cost = patches)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic stream (default 0)")
     p.add_argument("--emulated", action="store_true",
                    help="run the ranks as threads in this process instead of real processes")
     p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # the checks' self-test
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds (default 300)")
-    p.add_argument("--plot", metavar="FILE.png", help="bar chart of per-rank load before/after (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of per-rank load before/after (.png, .pdf or "
+                   ".svg; needs matplotlib)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON to FILE ('-': stdout)")
 
 
@@ -314,7 +316,7 @@ def summarize(records: list, dps: dict) -> dict:
 def print_tables(summary: dict, micro_batches: int, out) -> None:
     width = max(8, *(len(f"{x:.0f}") + 1 for s in summary.values() for x in s["loads_before"] + s["loads_after"]))
     maxdp = max(s["dp"] for s in summary.values())
-    print(f"\nper-rank load (cost = patches, summed over {micro_batches} micro-batches)", file=out)
+    print(f"\nper-rank load (cost = patches, summed over {plural(micro_batches, 'micro-batch')})", file=out)
     print(f"{'module':9} {'dp':>3} {'':7}" + "".join(f"{'rank ' + str(r):>{width}}" for r in range(maxdp)), file=out)
     for m, s in summary.items():
         for label, key in (("before", "loads_before"), ("after", "loads_after")):
@@ -338,7 +340,7 @@ def run(args) -> dict:
     mode = "emulated ranks (threads)" if args.emulated else \
         f"{sum(dps.values())} processes (torch.distributed, Gloo, fork)"
     print(f"reorder demo: vision dp {args.vision_dp} + language dp {args.language_dp} (grid G={groups}) on {mode}; "
-          f"B={args.micro_batch}, W={args.window}, {args.windows} windows, balancer {args.balancer}, "
+          f"B={args.micro_batch}, W={args.window}, {plural(args.windows, 'window')}, balancer {args.balancer}, "
           f"overlap {'on' if args.overlap and not args.emulated else 'off'}, seq {args.seq_len}, mix {args.mix}",
           file=out, flush=True)
     if args.language_dp % args.vision_dp:
@@ -352,9 +354,13 @@ def run(args) -> dict:
     summary = summarize(result["records"], dps)
     micro_batches = args.windows * args.window
     print_tables(summary, micro_batches, out)
+    for m, s in summary.items():
+        note = worse_note(m, s["dp"], s["saved"], args.balancer, groups)
+        if note:
+            print(note, file=out)
     elapsed = time.perf_counter() - t0
     print(f"\nall invariants (I1-I8: alignment of vision rank v with language ranks v*k..v*k+k-1, byte-exact "
-          f"payloads, ...) held on {args.windows} windows; {elapsed:.1f} s.\nstraggler cost = sum over micro-batches "
+          f"payloads, ...) held on {plural(args.windows, 'window')}; {elapsed:.1f} s.\nstraggler cost = sum over micro-batches "
           "of the max per-rank cost; spread = max/mean per-rank cost (mean over micro-batches); "
           "wait = time the consumer blocked for a window", file=out, flush=True)
     data = dict(mode="emulated" if args.emulated else "processes",
@@ -366,9 +372,9 @@ def run(args) -> dict:
                           note=f"{m} (dp {s['dp']}): spread {s['spread_before']:.2f} -> {s['spread_after']:.2f}, "
                                f"straggler -{s['saved']:.1%}") for m, s in summary.items()}
         make_plot("rank_loads", args.plot, panels,
-                  f"reorder demo: per-rank load, {micro_batches} micro-batches of B={args.micro_batch}, "
+                  f"reorder demo: per-rank load, {plural(micro_batches, 'micro-batch')} of B={args.micro_batch}, "
                   f"balancer {args.balancer} (spread = max/mean per micro-batch)",
-                  f"cost (patches) summed over {micro_batches} micro-batches")
+                  f"cost (patches) summed over {plural(micro_batches, 'micro-batch')}")
         print(f"plot written to {args.plot}", file=out)
     write_json(args.json, data)
     return data

@@ -1,4 +1,4 @@
-"""PNG charts for the command line (`--plot FILE.png`); matplotlib is an optional extra
+"""Charts for the command line (`--plot FILE.png`, or .pdf / .svg); matplotlib is an optional extra
 (`pip install 'reorder[plot]'`) and is imported only when a plot is asked for."""
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def _run(fn, world, args, timeout, pg_timeout):
         try:
             while not ctx.join(timeout=0.2):
                 if time.monotonic() > deadline:
-                    failure = ProcessesFailed({-1: f"timed out after {timeout:.0f} s (a rank is stuck)"})
+                    failure = ProcessesFailed({-1: f"timed out after {timeout:g} s (a rank is stuck)"})
                     break
         except Exception as e:  # ProcessRaisedException / ProcessExitedException: the others are ended
             failure = _failure(e, workdir)

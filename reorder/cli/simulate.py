@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reorder.cli.common import CliError, check_plot_path, human_stream, layout_from_args, make_plot, write_json
+from reorder.cli.common import (CliError, check_plot_path, human_stream, layout_from_args, make_plot, plural,
+                                worse_note, write_json)
 
 DESCRIPTION = """\
 Replay per-sample costs micro-batch by micro-batch and report, per balancer and module, the predicted
@@ -40,7 +41,7 @@ Blank lines and lines starting with '#' are skipped. Or use --mix NAME for a syn
 """
 
 FIELDS = ("cost", "patches", "image_sizes")
-_SIZE = re.compile(r"^\s*(\d+)\s*[xX\u00d7]\s*(\d+)\s*$")
+_SIZE = re.compile(r"^\s*([-+]?\d+)\s*[xX\u00d7]\s*([-+]?\d+)\s*$")
 
 
 def add_args(p: argparse.ArgumentParser):
@@ -71,7 +72,8 @@ def add_args(p: argparse.ArgumentParser):
     p.add_argument("--max-pixels", type=int, default=qr.MAX_PIXELS, help=f"Qwen resize (default {qr.MAX_PIXELS})")
     p.add_argument("--patch-size", type=int, default=qr.PATCH_SIZE, help=f"default {qr.PATCH_SIZE}")
     p.add_argument("--merge-size", type=int, default=qr.MERGE_SIZE, help=f"spatial merge (default {qr.MERGE_SIZE})")
-    p.add_argument("--plot", metavar="FILE.png", help="straggler time saved and spread distribution per balancer")
+    p.add_argument("--plot", metavar="FILE.png", help="straggler time saved and spread distribution per balancer "
+                   "(.png, .pdf or .svg)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-': stdout)")
     p.add_argument("--progress-after", type=float, default=2.0, help=argparse.SUPPRESS)  # seconds before the bar
 
@@ -133,6 +135,13 @@ def _count(value) -> int:
     return int(x)
 
 
+def _positive(k: int, shown: str, w: int, h: int) -> tuple:
+    for side, v in (("width", w), ("height", h)):
+        if v < 0:
+            raise _Bad(f"has image {k} = {shown!r} whose {side} {v} is negative: sizes are in pixels, width x height")
+    return w, h
+
+
 def _image_sizes(value) -> list:
     """[(w, h), ...] from "WxH;WxH", a list of [w, h] pairs, or nothing (text only)."""
     if value is None or value == "" or value == []:
@@ -146,7 +155,7 @@ def _image_sizes(value) -> list:
             if not m:
                 raise _Bad(f"has image {k} = {part.strip()!r}, expected WIDTHxHEIGHT in pixels (e.g. 640x480), "
                            "images separated by ';'")
-            out.append((int(m.group(1)), int(m.group(2))))
+            out.append(_positive(k, part.strip(), int(m.group(1)), int(m.group(2))))
         return out
     if isinstance(value, list):
         out = []
@@ -154,7 +163,7 @@ def _image_sizes(value) -> list:
             if not (isinstance(pair, list) and len(pair) == 2
                     and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)):
                 raise _Bad(f"has image {k} = {_show(pair)}, expected a [width, height] pair of integers")
-            out.append((pair[0], pair[1]))
+            out.append(_positive(k, _show(pair), pair[0], pair[1]))
         return out
     raise _Bad("is not a list of [width, height] pairs nor a \"WxH;WxH\" string")
 
@@ -511,8 +520,8 @@ def run(args) -> dict:
             bar.close()
     layout = " + ".join(f"{k} dp {d}" for k, d in dps.items())
     print(f"reorder simulate: {samples.source}: {n} samples ({_describe_input(samples, args)}); "
-          f"{m} micro-batches of B={B} in file order" + (f", {n - m * B} trailing samples dropped" if n > m * B
-                                                          else ""), file=out)
+          f"{plural(m, 'micro-batch')} of B={B} in file order"
+          + (f", {plural(n - m * B, 'trailing sample')} dropped" if n > m * B else ""), file=out)
     q = np.percentile(used, [50, 95]) if len(used) else (0, 0)
     print(f"per-sample cost: mean {used.mean():.0f}, median {q[0]:.0f}, p95 {q[1]:.0f}, max {used.max():.0f}, "
           f"zero-cost (text-only) {np.mean(used == 0):.0%}; layout {layout}, canonical grid G={groups}", file=out)
@@ -524,6 +533,11 @@ def run(args) -> dict:
                   f"{r['saved']:7.1%} {res['bound'][mod]['saved']:6.1%} {r['spread_before']:10.3f} -> "
                   f"{r['spread_after']:8.3f} {r['p95_spread_after']:9.3f} {r['moved_fraction']:6.1%} "
                   f"{r['plan_us_per_microbatch']:10.1f}", file=out)
+    for name in balancers:
+        for mod, r in res["balancers"][name].items():
+            note = worse_note(mod, r["dp"], r["saved"], name, groups)
+            if note:
+                print(note, file=out)
     print("\nstraggler = sum over micro-batches of the max per-rank cost (before: the natural contiguous split); "
           "saved = 1 - after/before\nbound = the most any equal-count split of the module's ranks could save (one "
           "plan over G groups serves every module)\nspread = max/mean per-rank cost, mean over micro-batches (p95 "
@@ -542,7 +556,7 @@ def run(args) -> dict:
     if args.plot:
         make_plot("simulation", args.plot, dict(modules=dps, balancers=res["balancers"], bound=res["bound"],
                                                 spreads=res["spreads"]),
-                  f"reorder simulate: {samples.source}, {m} micro-batches of B={B}, {layout}")
+                  f"reorder simulate: {samples.source}, {plural(m, 'micro-batch')} of B={B}, {layout}")
         print(f"plot written to {args.plot}", file=out)
     write_json(args.json, data)
     return data
