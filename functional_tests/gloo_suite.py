@@ -6,12 +6,21 @@ byte-exact payloads against the spec; fault cases check that all ranks raise tog
 Launch with torchrun (env:// rendezvous), e.g.
   torchrun --nproc-per-node 6 functional_tests/gloo_suite.py --vision-dp 2 --language-dp 4 --window 2
 or from Python with `launch(...)` (fork start, FileStore), as tests/test_functional_gloo.py does.
+
+--report-dir DIR: every rank writes DIR/rank<N>.json (module, DP rank, micro-batches served, error)
+as soon as its stream ends, before any world-wide step, so a test sees every rank, even when peers die.
+--bridge: after each micro-batch, every vision rank sends the sample ids it holds to the language
+ranks it feeds, by position (point-to-point on the world group, fan-out language dp / vision dp), as
+MIMO's BridgeCommunicator sends embeddings; each language rank checks they are its own (I4).
+--uncaught: a rank's error ends the process with its traceback, as in a training script (no report
+back to rank 0); with --bridge the other module then waits in its next bridge receive.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -88,6 +97,8 @@ def run(args) -> dict:
     try:
         for mb in buf:
             outs.append(mb)
+            if args.bridge and dv:
+                bridge(mb, module, grid.rank, dv, dl)
     except Exception as e:  # noqa: BLE001 - checked below
         seen_error = e
     finally:
@@ -100,6 +111,11 @@ def run(args) -> dict:
                    error=None if seen_error is None else f"{type(seen_error).__name__}: {seen_error}",
                    ids=[o["sample_id"].tolist() for o in outs],
                    orders=[r.orders.tolist() for r in buf.reports], elapsed=elapsed)
+    if args.report_dir:
+        with open(os.path.join(args.report_dir, f"rank{me}.json"), "w") as f:
+            json.dump({k: summary[k] for k in ("rank", "module", "dp_rank", "n", "error")}, f)
+    if args.uncaught and seen_error is not None:
+        raise seen_error
     if args.case == "lost_peer":  # the last rank died: its module's survivors raise, in time
         if module == "language":
             assert seen_error is not None and elapsed < args.timeout * 3, (seen_error, elapsed)
@@ -109,6 +125,24 @@ def run(args) -> dict:
     everyone = [None] * world
     dist.all_gather_object(everyone, summary)
     return check_world(args, everyone)
+
+
+def bridge(mb, module, rank, dv, dl):
+    """Vision rank v sends the sample ids of its micro-batch to language ranks v*k .. v*k+k-1 (k = dl/dv),
+    slice j to rank v*k+j, as BridgeCommunicator routes embeddings by position; every language rank
+    receives from vision rank r // k and checks the ids are the ones it holds (I4 across processes)."""
+    k = dl // dv
+    ids = mb["sample_id"].to(torch.int64).contiguous()
+    if module == "vision":
+        b = len(ids) // k
+        for w in [dist.isend(ids[j * b:(j + 1) * b].clone(), dst=dv + rank * k + j) for j in range(k)]:
+            w.wait()
+        return
+    got = torch.empty_like(ids)
+    dist.recv(got, src=rank // k)
+    if not torch.equal(got, ids):
+        raise AssertionError(f"bridge misaligned on language rank {rank}: vision rank {rank // k} sent "
+                             f"{got.tolist()}, this rank holds {ids.tolist()}")
 
 
 def check_own(args, module, grid, outs, buf, cost):
@@ -172,7 +206,17 @@ def parse(argv=None):
     p.add_argument("--fault-at", type=int, default=3)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--report-dir", default=None, help="every rank writes rank<N>.json here when its stream ends")
+    p.add_argument("--bridge", action="store_true", help="send sample ids vision -> language after each micro-batch")
+    p.add_argument("--uncaught", action="store_true", help="a rank's error ends its process (as in training)")
+    args = p.parse_args(argv)
+    if args.bridge and args.vision_dp and args.language_dp % args.vision_dp:
+        p.error(f"--bridge needs language dp a multiple of vision dp; got --vision-dp {args.vision_dp} "
+                f"--language-dp {args.language_dp}")
+    if args.bridge and args.case != "ok" and not args.uncaught:
+        p.error(f"--bridge with --case {args.case} needs --uncaught: the other module would wait in the bridge "
+                f"while the faulty one reports")
+    return args
 
 
 def _rank_main(rank, world, argv):
@@ -188,11 +232,19 @@ def launch(argv, world: int, timeout: float = 300.0) -> dict:
     return run_processes(_rank_main, world, (argv,), timeout=timeout)
 
 
-if __name__ == "__main__":
+def main():
     args = parse()
-    dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl")
+    print(f"gloo_suite rank {os.environ.get('RANK')} pid {os.getpid()}", flush=True)
+    dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl",
+                            timeout=datetime.timedelta(seconds=args.timeout))
     result = run(args)
     if dist.get_rank() == 0:
         print("RESULT", result, flush=True)
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()  # under torchrun: a rank's exception is the job summary's "Root Cause", message included
     sys.exit(0)

@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+import faults
 from reorder import CostModel, ReorderError, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
@@ -129,24 +130,27 @@ def test_overlap_hands_skipped_windows_to_the_consumer_and_planned_ones_to_the_w
     assert {t for t, s in calls if not s} == {"reorder-overlap"}
 
 
-@pytest.mark.parametrize("how", ["end", "error"])
-def test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker(how):
+@pytest.mark.parametrize("case", [None, *faults.cases("buffer")], ids=lambda c: "end" if c is None else c.name)
+def test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker(case):
+    """The stream ends (case None) or the source raises (the fault records of tests/faults.py)."""
     rng = np.random.default_rng(4)
 
     def source():
         for k in range(4):  # windows 0 (planned), 1 (skipped), 2 (planned), 3 (skipped), then 4 ends or raises
             yield syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k)
-        if how == "error":
-            raise OSError("disk read failed")
+        if case is not None:
+            raise case.params["source_error"]
 
     buf = ReorderingBuffer(source(), _gated_exchanger([]), overlap=True)
     got = [next(buf) for _ in range(4)]
-    if how == "end":
+    if case is None:
         with pytest.raises(StopIteration):
             next(buf)
     else:
-        with pytest.raises(ReorderError, match="data source raised OSError: disk read failed"):
+        with pytest.raises(ReorderError) as e:
             next(buf)
+        (seen,) = case.sees
+        seen.check(e.value)
     assert len(got) == 4 and not buf.worker_alive
     buf.close()
 

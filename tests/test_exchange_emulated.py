@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import faults
 from reorder import CostModel, Grid, ReorderError, WindowExchanger, run_emulated
 
 from support import harness
@@ -55,49 +56,34 @@ def test_short_last_window_and_reports():
     assert np.allclose(rep.loads_before.sum(axis=1), rep.loads_after.sum(axis=1))
 
 
-def _run(dp, batches_for_rank, exchanger_kwargs_for_rank=lambda r: {}):
+def _run(dp, batches_for_rank, exchanger_kwargs_for_rank=lambda r: {}, error_for_rank=lambda r: None):
     def fn(r, coll):
         kw = dict(grid=Grid(groups=dp, dp=dp, rank=r), micro_batch_size=2 * dp, cost=COST, window_size=2,
                   collectives=coll)
         kw.update(exchanger_kwargs_for_rank(r))
-        return WindowExchanger(**kw).exchange(batches_for_rank(r))
+        return WindowExchanger(**kw).exchange(batches_for_rank(r), error_for_rank(r))
     return run_emulated(dp, fn, timeout=20, return_exceptions=True)
 
 
-def _shares(dp, seed=0):
-    g = windows_for(seed, 2 * dp, 1)[0]
-    return [syn.rank_share(g, dp, r) for r in range(dp)]
-
-
-def test_rank_local_width_mismatch_raises_everywhere():
-    shares = _shares(3)
-    shares[1] = dict(shares[1])
-    shares[1]["labels"] = torch.nn.functional.pad(shares[1]["labels"], (0, 3))
-    out = _run(3, lambda r: [shares[r]])
-    assert all(isinstance(e, ReorderError) for e in out), out
-    assert len({str(e) for e in out}) == 1
-    assert "batch layout differs across ranks" in str(out[0]) and "labels:d0:int64:[195]" in str(out[0])
-
-
-def test_rank_local_bad_image_counts_raise_everywhere():
-    shares = next(sh for sh in (_shares(2, seed=k) for k in range(5, 50))
-                  if len(sh[0]["modality_inputs"]["images"]["vit"]["grid_thw"]) > 1)  # rank 0 has images
-    vit = shares[0]["modality_inputs"]["images"]["vit"]
-    bad = dict(shares[0])
-    bad["modality_inputs"] = {"images": {"vit": {"hidden_states": vit["hidden_states"],
-                                                 "grid_thw": vit["grid_thw"].flip(0) * torch.tensor([1, 2, 1])}}}
-    shares[0] = bad
-    out = _run(2, lambda r: [shares[r]])
-    assert all(isinstance(e, ReorderError) for e in out), out
-    assert len({str(e) for e in out}) == 1 and str(out[0]).startswith("reorder failed on rank 0:")
-
-
-def test_config_mismatch_raises_everywhere():
-    shares = _shares(2)
-    out = _run(2, lambda r: [shares[r]], lambda r: {"cost": CostModel(encoder_weight=1.0 + r)})
-    assert all(isinstance(e, ReorderError) for e in out)
-    assert str(out[1]) == str(out[0]) == \
-        "config mismatch across the DP group: encoder_weight is 1.0 on ranks [0], 2.0 on ranks [1]"
+@pytest.mark.parametrize("case", faults.cases("emulated"), ids=faults.name)
+def test_fault_case(case):
+    """One rank's bad input, config or data source (tests/faults.py): every rank of the DP group sees
+    what the record says; an error is the same on every rank, and where none is expected the window
+    is exchanged with nothing lost."""
+    p = case.params
+    dp = p.get("dp", 2)
+    shares = p["shares"]() if "shares" in p else faults.rank_shares(dp)
+    config, source_errors = p.get("config", {}), p.get("source_error", {})
+    out = _run(dp, lambda r: [] if r in source_errors else [shares[r]], lambda r: config.get(r, {}),
+               source_errors.get)
+    (seen,) = case.sees
+    for got in out:
+        seen.check(got if isinstance(got, BaseException) else None)
+    if seen.error is not None:
+        assert len({str(e) for e in out}) == 1, out  # the same error on every rank
+    else:
+        held = sorted(i for batches, _ in out for i in batches[0]["sample_id"].tolist())
+        assert held == sorted(i for sh in shares for i in sh["sample_id"].tolist())
 
 
 def test_dp1_local_permutation():
@@ -147,14 +133,7 @@ def test_min_saving_gate_keeps_slots_that_save_too_little():
     assert plan.gate_orders(costs, orders, 4, min_gain=0.2, min_saving=2.0)[1].tolist() == [False, True, True]
 
 
-def test_gate_thresholds_must_match_across_the_dp_group():
-    shares = _shares(2)
-    out = _run(2, lambda r: [shares[r]], lambda r: {"min_saving": 100.0 * r})
-    assert [str(e) for e in out] == ["config mismatch across the DP group: min_saving is 0.0 on ranks [0], "
-                                     "100.0 on ranks [1]"] * 2
-    out = _run(2, lambda r: [shares[r]], lambda r: {"min_gain": 0.1 if r else None})
-    assert [str(e) for e in out] == ["config mismatch across the DP group: min_gain is None on ranks [0], "
-                                     "0.1 on ranks [1]"] * 2
+def test_gate_thresholds_are_checked_locally():  # mismatches across ranks: tests/faults.py
     with pytest.raises(ValueError, match=r"min_saving=-1.0 is invalid"):
         WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_saving=-1.0)
 
@@ -168,16 +147,6 @@ def test_language_cost_weight_is_used_everywhere():
     from spec import reference as ref
     for s in range(2):
         assert res["vision"].reports[0].orders[s].tolist() == ref.lpt_order(real[s].tolist(), 4)
-
-
-def test_data_source_error_is_shared_with_its_text():
-    shares = _shares(2)
-
-    def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=4, cost=COST, collectives=coll)
-        return ex.exchange([shares[r]] if r == 0 else [], error=None if r == 0 else OSError("disk gone"))
-    out = run_emulated(2, fn, timeout=20, return_exceptions=True)
-    assert [str(e) for e in out] == ["reorder failed on rank 1: data source raised OSError: disk gone"] * 2
 
 
 def test_shadow_mode_plans_and_reports_but_moves_nothing():
@@ -195,10 +164,7 @@ def test_shadow_mode_plans_and_reports_but_moves_nothing():
         assert rep.orders.tolist() == real.orders.tolist()  # the same plan the real exchange used
         assert (rep.moved_samples, rep.moved_bytes) == (real.moved_samples, real.moved_bytes) > (0, 0)
         assert np.array_equal(rep.loads_after, real.loads_after)
-    # shadow on some ranks only would misalign modules: every rank raises instead
-    shares = _shares(2)
-    out = _run(2, lambda r: [shares[r]], lambda r: {"shadow": r == 0})
-    assert [str(e) for e in out] == ["config mismatch across the DP group: shadow is 1 on ranks [0], 0 on ranks [1]"] * 2
+    # shadow on some ranks only would misalign modules: every rank raises instead (tests/faults.py)
 
 
 def test_quadratic_vision_cost_drives_the_plan_on_every_rank():
@@ -282,12 +248,6 @@ def test_cross_slot_mode_balances_the_window_and_keeps_every_invariant_but_i7(dp
     if dps[1] % dps[0] == 0:
         for s in range(slots):
             inv.i4_bridge_alignment([h[s] for h in held["vision"]], [h[s] for h in held["language"]])
-
-
-def test_cross_slot_must_match_across_the_group():
-    shares = _shares(2)
-    out = _run(2, lambda r: [shares[r]], lambda r: {"cross_slot": r == 1})
-    assert [str(e) for e in out] == ["config mismatch across the DP group: cross_slot is 0 on ranks [0], 1 on ranks [1]"] * 2
 
 
 def test_reorder_inside_each_rank_only_moves_nothing_and_keeps_every_invariant():
@@ -389,15 +349,11 @@ def test_gate_backoff_doubles_up_to_its_cap_and_resets_when_a_window_moves():
     assert reference.gate_backoff_skips([True] * 5, 0) == [False] * 5
 
 
-def test_gate_backoff_needs_the_gate_and_matches_across_ranks():
+def test_gate_backoff_needs_the_gate():  # a mismatch across ranks: tests/faults.py
     with pytest.raises(ValueError, match=r"gate_backoff=4 needs the cost-benefit gate: set min_gain or min_saving"):
         WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, gate_backoff=4)
     with pytest.raises(ValueError, match=r"gate_backoff=-1 is invalid"):
         WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_gain=0.1, gate_backoff=-1)
-    shares = _shares(2)
-    out = _run(2, lambda r: [shares[r]], lambda r: {"min_gain": 0.5, "gate_backoff": 2 * r})
-    assert [str(e) for e in out] == ["config mismatch across the DP group: gate_backoff is 0 on ranks [0], "
-                                     "2 on ranks [1]"] * 2
 
 
 def test_a_skipped_window_raises_a_source_error_on_its_own_rank_and_ends_locally():

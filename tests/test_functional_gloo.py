@@ -1,13 +1,24 @@
 """Gloo multi-process functional suite (fork start): heterogeneous worlds, W 1-3, overlap on/off,
-and fault cases where every rank of the DP group must raise together (bounded by timeouts)."""
+and fault cases where every rank of the DP group must raise together (bounded by timeouts); one
+fault under torchrun, the real launcher."""
 
+import json
 import os
+import re
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+import faults
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "functional_tests"))
 import gloo_suite  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYOUTS = [(2, 4, 8), (1, 2, 4), (2, 3, 12)]  # vision dp, language dp, B
 
@@ -23,28 +34,136 @@ def test_heterogeneous_world(layout, overlap, window):
     assert result["case"] == "ok" and result["micro_batches"] == 5
 
 
+@pytest.mark.parametrize("layout", [(2, 4, 8), (1, 2, 4), (2, 2, 8)], ids=lambda x: f"v{x[0]}l{x[1]}")
+def test_bridge_sends_each_language_rank_its_own_samples(layout):
+    """--bridge: vision ranks send their samples' ids point-to-point to the language ranks they feed, by
+    position, after every micro-batch; every language rank receives exactly the samples it holds."""
+    dv, dl, b = layout
+    result = gloo_suite.launch(["--vision-dp", str(dv), "--language-dp", str(dl), "--micro-batch", str(b),
+                                "--bridge", "--micro-batches", "4", "--timeout", "20"], dv + dl)
+    assert result["case"] == "ok" and result["micro_batches"] == 4
+
+
 def test_language_cost_weight_world():
     result = gloo_suite.launch(["--vision-dp", "2", "--language-dp", "4", "--language-weight", "0.5"], 6)
     assert result["micro_batches"] == 7
 
 
+def _reports(directory) -> dict:
+    """global rank -> what that rank saw (gloo_suite --report-dir)."""
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in Path(directory).glob("rank*.json"))}
+
+
+def _named(who: str, report: dict) -> bool:
+    module, _, rank = who.partition(" rank ")
+    return report["module"] == module and (not rank or report["dp_rank"] == int(rank))
+
+
+def _check_ranks(case, reports: dict, *, same_error: bool, micro_batches: int = 7):
+    """Every reporting rank is named by exactly one Seen of the record and sees what it says; with
+    `same_error`, the ranks of one Seen raised the very same error."""
+    for rep in reports.values():
+        assert len([s for s in case.sees if _named(s.who, rep)]) == 1, (rep, case.sees)
+    for seen in case.sees:
+        ranks = [rep for rep in reports.values() if _named(seen.who, rep)]
+        assert ranks or seen.who == "torchrun", f"{seen.who}: no rank reported"
+        for rep in ranks:
+            seen.check(rep["error"])
+            if seen.error is None:
+                assert rep["n"] == micro_batches, rep
+        if same_error and seen.error is not None:
+            assert len({rep["error"] for rep in ranks}) == 1, ranks
+
+
 @pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
-@pytest.mark.parametrize("case", ["source_raises", "bad_input", "early_end"])
-def test_faults_raise_on_every_rank(case, overlap):
-    result = gloo_suite.launch(["--vision-dp", "2", "--language-dp", "2", "--case", case, overlap,
-                                "--timeout", "30"], 4)
-    assert len(result["errors"]) == 1
-    msg = result["errors"][0]
-    expected = {"source_raises": "data source raised OSError: disk read failed at micro-batch 3",
-                "bad_input": "pad to a fixed",
-                "early_end": "micro-batch count of this window differs across the DP group"}[case]
-    assert msg.startswith("ReorderError") and expected in msg, msg
+@pytest.mark.parametrize("case", faults.cases("gloo"), ids=faults.name)
+def test_faults_raise_on_every_rank(case, overlap, tmp_path):
+    """The forked Gloo fault cases of tests/faults.py: what every rank of both modules sees."""
+    p = case.params
+    result = gloo_suite.launch([*p["argv"], overlap, "--report-dir", str(tmp_path)], p["world"])
+    assert result["case"] == p["argv"][p["argv"].index("--case") + 1]
+    reports = _reports(tmp_path)
+    assert sorted(set(range(p["world"])) - set(reports)) == p.get("dead", [])  # every other rank reported
+    _check_ranks(case, reports, same_error=True)
+    if "errors" in result:  # rank 0's view of the faulty module: one error on every rank, a ReorderError
+        assert len(result["errors"]) == 1
+        next(s for s in case.sees if s.error == "ReorderError").check(result["errors"][0])
 
 
-def test_lost_peer_becomes_an_error():
-    # the last language rank exits before its first exchange; the survivor raises within the timeout
-    result = gloo_suite.launch(["--vision-dp", "1", "--language-dp", "2", "--case", "lost_peer", "--timeout", "10"], 3)
-    assert result["case"] == "lost_peer"
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _group_members(pgid: int) -> list:
+    """Live processes of process group `pgid`."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(name))
+    return out
+
+
+@pytest.mark.parametrize("case", faults.cases("torchrun"), ids=faults.name)
+def test_fault_under_torchrun(case, tmp_path):
+    """torchrun --standalone runs gloo_suite with one vision rank's bad input, errors uncaught (as in a
+    training script) and the vision -> language bridge after every micro-batch. The whole job ends
+    with a non-zero exit within 60 s, the failing ranks print the ReorderError, every rank sees what
+    the record says, torchrun's summary names the ReorderError as the root cause, and no process of
+    the job is left (torchrun's process group; the workers, which run in sessions of their own)."""
+    p = case.params
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(p["nproc"]),
+           "--tee", "3", "functional_tests/gloo_suite.py", *p["argv"], "--report-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        out, _ = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, _ = job.communicate()
+    elapsed = time.monotonic() - t0
+    workers = {int(r): int(pid) for r, pid in re.findall(r"gloo_suite rank (\d+) pid (\d+)", out)}
+    left = sorted({*_group_members(job.pid), *(pid for pid in workers.values() if _alive(pid))})
+    for pid in left:  # never leave them behind, even when the test fails
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert elapsed < 60 and job.returncode not in (0, None), f"exit {job.returncode} after {elapsed:.1f} s:\n{out}"
+    assert not left, f"processes of the job left behind: {left}"
+    assert sorted(workers) == list(range(p["nproc"])), f"workers started: {workers}\n{out}"
+
+    summary = out.rpartition("ChildFailedError:")[2]
+    exits = {int(r): int(code) for r, code in
+             re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*exitcode\s*: (-?\d+)", summary)}
+    assert sorted(exits) == list(range(p["nproc"])), f"torchrun's summary lists ranks {sorted(exits)}:\n{out}"
+    reports = _reports(tmp_path)
+    for rank in set(range(p["nproc"])) - set(reports):  # only where torchrun may end a rank before it reports
+        module = "vision" if rank < int(p["argv"][p["argv"].index("--vision-dp") + 1]) else "language"
+        assert module in p.get("sigterm_ok", ()) and exits[rank] == -signal.SIGTERM, \
+            f"rank {rank} ({module}) did not report, exit {exits[rank]}:\n{out}"
+    _check_ranks(case, reports, same_error=False)
+    for rank, rep in reports.items():  # the failing ranks print their error
+        seen = next(s for s in case.sees if _named(s.who, rep))
+        if seen.error == "ReorderError":
+            printed = [line for line in out.splitlines() if line.startswith(f"[default{rank}]:") and
+                       f"{seen.error}: " in line]
+            assert printed and all(t in printed[-1] for t in seen.texts), f"rank {rank} printed {printed}:\n{out}"
+    job_seen = case.seen("torchrun")
+    job_seen.check(f"ChildFailedError: {summary}")
+    assert "ReorderError" in summary.partition("Root Cause")[2], summary
 
 
 @pytest.mark.parametrize("layout", [(0, 4, 8, 4), (0, 8, 8, 2), (4, 4, 8, 4)], ids=lambda x: f"v{x[0]}l{x[1]}w{x[3]}")
