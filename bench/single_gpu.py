@@ -102,6 +102,23 @@ def dp1(args, dev) -> dict:
     return res
 
 
+def profile(args, dev) -> None:
+    """Where the host time of device-resident dp-1 windows goes (cProfile, sorted by own time)."""
+    import cProfile
+    import pstats
+
+    batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
+                                                                args.mix)]
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
+    ex.exchange([batches[0]])
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(args.reps):
+        ex.exchange([batches[i % len(batches)]])
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
 def planning(sizes, reps) -> dict:
     rng, out = np.random.default_rng(0), {}
     fields = (ByteField("dense", 1, 16384), ByteField("dense", 3, 16384), ByteField("row", 1, 2352),
@@ -128,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--mix", default="large")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--plan-sizes", default="1024x64,8192x1024")
+    p.add_argument("--profile", action="store_true", help="also print the top of a cProfile of dp-1 windows")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "single_gpu.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -135,6 +153,8 @@ def main(argv=None) -> int:
     res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
                micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix)
     res.update(dp1(args, dev))
+    if args.profile:
+        profile(args, dev)
     res.update(planning([tuple(int(x) for x in s.split("x")) for s in args.plan_sizes.split(",")], args.reps))
     for k, v in res.items():
         if k != "ops_by_kind":

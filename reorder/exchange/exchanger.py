@@ -347,9 +347,9 @@ class WindowExchanger:
             whole = torch.empty(int(moves.block_bytes[todo].sum()), dtype=torch.uint8, device=dev)
             blocks = list(torch.split(whole, moves.block_bytes[todo].tolist()))
             at = np.full(len(moves.kept), -1)
-            at[todo] = np.arange(len(todo))
-            segs = moves.assemble.take(np.isin(moves.assemble.dst_buf, todo))
-            segs = type(segs)(segs.src_buf, segs.src_off, at[segs.dst_buf], segs.dst_off, segs.nbytes)
+            at[todo] = np.arange(len(todo))  # kept slots have no segments: blocks are numbered among the rest
+            a = moves.assemble
+            segs = type(a).trusted(a.src_buf, a.src_off, at[a.dst_buf], a.dst_off, a.nbytes)
             self._executor(dev).run(segs, buffers, blocks)
             for s, block in zip(todo.tolist(), blocks):
                 shard = view_block(layout, block, moves.regions[s], SampleCounts(moves.out_counts.table[s]))

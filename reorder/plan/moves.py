@@ -19,6 +19,7 @@ and receiver compute the same piece sizes from the gathered counts, so nothing e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -70,57 +71,77 @@ def align(n):
     return (np.asarray(n, dtype=np.int64) + ALIGN - 1) // ALIGN * ALIGN
 
 
-def piece_layout(fields: tuple, n: np.ndarray, totals: dict) -> tuple:
-    """(region offsets [P, F], sizes [P]) of P pieces of n[p] samples holding totals[kind][p] entries."""
+def piece_layout(fields: tuple, n: np.ndarray, totals: np.ndarray) -> tuple:
+    """(region offsets [P, F], sizes [P]) of P pieces of n[p] samples holding totals[kind - 1, p]
+    entries of each ragged kind (row, image, list)."""
+    field, _, kind, unit, dense = _columns(tuple(fields))
+    kind, size = _field_units(tuple(fields))
     n = np.asarray(n, dtype=np.int64)
-    sizes = np.stack([align(f.pre * n * f.unit) if f.kind == "dense" else align(totals[f.kind] * f.unit)
-                      for f in fields], axis=1) if fields else np.zeros((len(n), 0), np.int64)
+    entries = np.concatenate([n[None, :], np.asarray(totals, dtype=np.int64).reshape(len(KINDS) - 1, len(n))])
+    sizes = align(entries[kind].T * size)
     regions = np.zeros_like(sizes)
     np.cumsum(sizes[:, :-1], axis=1, out=regions[:, 1:])
     return regions, sizes.sum(axis=1)
 
 
 def _grouped_before(values: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """Exclusive running sum of `values` within each run of equal `group` (items sorted by group)."""
-    run = np.cumsum(values) - values
+    """Exclusive running sum of `values` (rows) within each run of equal `group` (items sorted by group)."""
+    run = np.cumsum(values, axis=0) - values
     if not len(values):
         return run
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    return run - np.repeat(run[starts], np.diff(np.r_[starts, len(values)]))
+    new = np.empty(len(group), bool)
+    new[0], new[1:] = True, group[1:] != group[:-1]
+    starts = np.flatnonzero(new)
+    return run - np.repeat(run[starts], np.diff(np.append(starts, len(values))), axis=0)
 
 
 @dataclass(frozen=True)
 class _Place:
-    """Where items sit in their buffers: buffer (per item, or per item and field with `per_field`),
-    base byte offset, samples n of their container, index j in it, entries before them per kind,
-    and each field's region offset [items, F] in the container."""
+    """Where items sit in their buffers: buffer (per item; plus the field index where per_field is
+    1: a rank's own buffers hold one field each), base byte offset, samples n of their container,
+    index j in it, entries before them [items, kinds], each field's region offset [items, F]."""
 
     buf: np.ndarray
     base: np.ndarray
     n: np.ndarray
     j: np.ndarray
-    before: dict
+    before: np.ndarray
     region: np.ndarray
-    per_field: object = 0  # 1 where a container holds one field (a rank's own buffers): buffer = buf + field
+    per_field: np.ndarray
 
 
-def _segments(fields, entries: dict, src: _Place, dst: _Place):
-    """The segment table copying every item's bytes of every field from `src` to `dst`."""
-    cols = [[], [], [], [], []]
-    for f_i, f in enumerate(fields):
-        if f.kind == "dense":
-            p = np.arange(f.pre, dtype=np.int64)[None, :]
-            offs = [(pl.base + pl.region[:, f_i])[:, None] + (p * pl.n[:, None] + pl.j[:, None]) * f.unit
-                    for pl in (src, dst)]
-            size = np.full(offs[0].shape, f.unit, np.int64)
-            bufs = [np.broadcast_to((pl.buf + f_i * pl.per_field)[:, None], offs[0].shape) for pl in (src, dst)]
-        else:
-            offs = [pl.base + pl.region[:, f_i] + pl.before[f.kind] * f.unit for pl in (src, dst)]
-            size = entries[f.kind] * f.unit
-            bufs = [pl.buf + f_i * pl.per_field for pl in (src, dst)]
-        for c, v in zip(cols, (bufs[0], offs[0], bufs[1], offs[1], size)):
-            c.append(np.asarray(v, dtype=np.int64).reshape(-1))
-    return Segments(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)).merged()
+@lru_cache(maxsize=64)
+def _columns(fields: tuple) -> tuple:
+    """One column per (field, leading index) a sample's bytes are split into: (field, leading index,
+    kind index, unit bytes, dense?) arrays; a dense field of `pre` leading entries has pre columns."""
+    cols = [(i, p, KINDS.index(f.kind), f.unit) for i, f in enumerate(fields)
+            for p in range(f.pre if f.kind == "dense" else 1)]
+    field, p, kind, unit = (np.array(c, dtype=np.int64) for c in zip(*cols)) if cols else [np.zeros(0, np.int64)] * 4
+    return field, p, kind, unit, kind == 0
+
+
+@lru_cache(maxsize=64)
+def _field_units(fields: tuple) -> tuple:
+    """Per field: kind index, and bytes per entry of that kind (pre x unit for dense fields)."""
+    return (np.array([KINDS.index(f.kind) for f in fields], dtype=np.int64),
+            np.array([f.pre * f.unit if f.kind == "dense" else f.unit for f in fields], dtype=np.int64))
+
+
+def _offsets(pl: _Place, field, p, kind, unit, dense) -> np.ndarray:
+    """Byte offset [items, columns] of every item's bytes of every column in its container."""
+    inner = np.where(dense, (p * pl.n[:, None] + pl.j[:, None]) * unit, pl.before[:, kind] * unit)
+    return pl.base[:, None] + pl.region[:, field] + inner
+
+
+def _segments(fields, entries: np.ndarray, src: _Place, dst: _Place) -> Segments:
+    """The segment table copying every item's bytes of every field from `src` to `dst`, as few
+    segments as contiguity allows; vectorized over items and fields together."""
+    field, p, kind, unit, dense = cols = _columns(tuple(fields))
+    shape = (len(src.buf), len(field))
+    parts = [np.broadcast_to(src.buf[:, None] + field * src.per_field[:, None], shape), _offsets(src, *cols),
+             np.broadcast_to(dst.buf[:, None] + field * dst.per_field[:, None], shape), _offsets(dst, *cols),
+             np.broadcast_to(entries[:, kind] * unit, shape)]
+    return Segments.trusted(*(np.ascontiguousarray(x, dtype=np.int64).reshape(-1) for x in parts)).merged()
 
 
 def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int) -> MoveList:
@@ -128,65 +149,70 @@ def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int
     w, batch = plan.orders.shape
     dp, nf = plan.dp, len(fields)
     b = batch // dp
-    flat = counts.flat()
     ids = np.arange(w * batch, dtype=np.int64)
     src_rank, dst_rank = (ids % batch) // b, plan.dest_pos // b
     src_slot, local = ids // batch, ids % batch - (ids % batch) // b * b
-    entries = {k: flat.entries(k).reshape(-1).astype(np.int64) for k in KINDS}
+    entries = _entries(counts.flat())
     own_ids = np.flatnonzero(src_rank == rank)  # natural order per slot, slot-major
-    own_before = {k: _grouped_before(entries[k][own_ids], src_slot[own_ids]) for k in KINDS[1:]}
+    own_before = _grouped_before(entries[own_ids], src_slot[own_ids])
 
     def own_place(items, first_buffer):  # a rank's own buffers: one per (slot, field)
-        at, n = np.searchsorted(own_ids, items), len(items)
+        n = len(items)
         return _Place(first_buffer + src_slot[items] * nf, np.zeros(n, np.int64), np.full(n, b, np.int64),
-                      local[items], {k: v[at] for k, v in own_before.items()}, np.zeros((n, nf), np.int64), 1)
+                      local[items], own_before[np.searchsorted(own_ids, items)], np.zeros((n, nf), np.int64),
+                      np.ones(n, np.int64))
 
     def wire_order(sel, peer):  # peer, then destination slot, then canonical position
         return ids[sel][np.lexsort((plan.dest_pos[sel], plan.dest_slot[sel], peer[sel]))]
 
-    send = wire_order((src_rank == rank) & (dst_rank != rank), dst_rank)
-    recv = wire_order((dst_rank == rank) & (src_rank != rank), src_rank)
-    on_wire = {}
-    for name, items, peer in (("send", send, dst_rank), ("recv", recv, src_rank)):
-        key = peer[items] * w + plan.dest_slot[items]
-        on_wire[name] = _pieces(fields, {k: v[items] for k, v in entries.items()}, key, dp * w)
-    pack = _segments(fields, {k: v[send] for k, v in entries.items()}, own_place(send, 0), on_wire["send"][0])
+    crossing = plan.moves_anything and dp > 1
+    send = wire_order((src_rank == rank) & (dst_rank != rank), dst_rank) if crossing else ids[:0]
+    recv = wire_order((dst_rank == rank) & (src_rank != rank), src_rank) if crossing else ids[:0]
+    sent, send_sizes = _pieces(fields, entries[send], dst_rank[send] * w + plan.dest_slot[send], dp * w)
+    got, recv_sizes = _pieces(fields, entries[recv], src_rank[recv] * w + plan.dest_slot[recv], dp * w)
+    pack = _segments(fields, entries[send], own_place(send, 0), sent)
     # assemble: own and received samples -> output blocks, by destination slot, then position
     mine = np.flatnonzero(dst_rank == rank)
     mine = mine[np.lexsort((plan.dest_pos[mine], plan.dest_slot[mine]))]
     out_slot, k = plan.dest_slot[mine], plan.dest_pos[mine] - rank * b
-    out = {kk: v[mine] for kk, v in entries.items()}
-    regions, block = piece_layout(fields, np.full(w, b), {kk: out[kk].reshape(w, b).sum(axis=1) for kk in KINDS[1:]})
-    dst = _Place(out_slot, np.zeros(len(mine), np.int64), np.full(len(mine), b, np.int64), k,
-                 {kk: _grouped_before(out[kk], out_slot) for kk in KINDS[1:]}, regions[out_slot])
     is_own = src_rank[mine] == rank
-    in_recv = np.zeros(w * batch, np.int64)
-    in_recv[recv] = np.arange(len(recv))
-    src = _combine(is_own, own_place(mine[is_own], 1), _take(on_wire["recv"][0], in_recv[mine[~is_own]]))
-    assemble = _segments(fields, out, src, dst)
     kept = np.bincount(out_slot, weights=is_own & (src_slot[mine] == out_slot) & (local[mine] == k),
                        minlength=w) == b
-    return MoveList(pack=pack, assemble=assemble, send_splits=on_wire["send"][1].reshape(dp, w).sum(axis=1).tolist(),
-                    recv_splits=on_wire["recv"][1].reshape(dp, w).sum(axis=1).tolist(), block_bytes=block,
-                    regions=regions, out_counts=SampleCounts(flat.table[mine].reshape(w, b, -1)), kept=kept,
+    out = entries[mine]
+    regions, block = piece_layout(fields, np.full(w, b), out[:, 1:].reshape(w, b, -1).sum(axis=1).T)
+    todo = ~kept[out_slot]  # kept slots are returned as they are: nothing to assemble
+    in_recv = np.zeros(w * batch, np.int64)
+    in_recv[recv] = np.arange(len(recv))
+    src = _combine(is_own[todo], own_place(mine[todo & is_own], 1), _take(got, in_recv[mine[todo & ~is_own]]))
+    dst = _Place(out_slot[todo], np.zeros(todo.sum(), np.int64), np.full(todo.sum(), b, np.int64), k[todo],
+                 _grouped_before(out, out_slot)[todo], regions[out_slot[todo]], np.zeros(todo.sum(), np.int64))
+    return MoveList(pack=pack, assemble=_segments(fields, out[todo], src, dst),
+                    send_splits=send_sizes.reshape(dp, w).sum(axis=1).tolist(),
+                    recv_splits=recv_sizes.reshape(dp, w).sum(axis=1).tolist(), block_bytes=block, regions=regions,
+                    out_counts=SampleCounts(counts.flat().table[mine].reshape(w, b, -1)), kept=kept,
                     send_items=_split(send, dst_rank[send], dp), recv_items=_split(recv, src_rank[recv], dp))
 
 
-def _pieces(fields, entries: dict, key: np.ndarray, n_keys: int):
+def _entries(counts: SampleCounts) -> np.ndarray:
+    """int64 [samples, kinds]: per sample, entries of a field of each kind (1 for dense)."""
+    return np.stack([counts.entries(k) for k in KINDS], axis=1).astype(np.int64)
+
+
+def _pieces(fields, entries: np.ndarray, key: np.ndarray, n_keys: int):
     """_Place of items in wire order (`key` = peer * W + slot, non-decreasing) in the pieces laid
     out back to back in one buffer (buffer 0); returns (place, size of every piece)."""
     n = np.bincount(key, minlength=n_keys)
-    totals = {k: np.bincount(key, weights=entries[k], minlength=n_keys).astype(np.int64) for k in KINDS[1:]}
-    regions, sizes = piece_layout(fields, n, totals)
+    totals = np.stack([np.bincount(key, weights=entries[:, c], minlength=n_keys) for c in range(1, len(KINDS))])
+    regions, sizes = piece_layout(fields, n, totals.astype(np.int64))
     starts = np.cumsum(sizes) - sizes
     j = _grouped_before(np.ones(len(key), np.int64), key)
-    before = {k: _grouped_before(entries[k], key) for k in KINDS[1:]}
-    return _Place(np.zeros(len(key), np.int64), starts[key], n[key], j, before, regions[key], 0), sizes
+    zeros = np.zeros(len(key), np.int64)
+    return _Place(zeros, starts[key], n[key], j, _grouped_before(entries, key), regions[key], zeros), sizes
 
 
 def _take(place: _Place, index) -> _Place:
-    return _Place(place.buf[index], place.base[index], place.n[index], place.j[index],
-                  {k: v[index] for k, v in place.before.items()}, place.region[index], place.per_field)
+    return _Place(place.buf[index], place.base[index], place.n[index], place.j[index], place.before[index],
+                  place.region[index], place.per_field[index])
 
 
 def _combine(first: np.ndarray, a: _Place, b: _Place) -> _Place:
@@ -196,9 +222,8 @@ def _combine(first: np.ndarray, a: _Place, b: _Place) -> _Place:
         out[first], out[~first] = x, y
         return out
 
-    per_field = mix(np.full(len(a.buf), a.per_field), np.full(len(b.buf), b.per_field))
-    return _Place(mix(a.buf, b.buf), mix(a.base, b.base), mix(a.n, b.n), mix(a.j, b.j),
-                  {k: mix(a.before[k], b.before[k]) for k in a.before}, mix(a.region, b.region), per_field)
+    return _Place(*(mix(getattr(a, f), getattr(b, f)) for f in ("buf", "base", "n", "j", "before", "region",
+                                                                 "per_field")))
 
 
 def _split(items: np.ndarray, peer: np.ndarray, dp: int) -> tuple:
@@ -226,14 +251,15 @@ def take_moves(fields: tuple, counts: SampleCounts, sizes: list, index) -> TakeL
     sizes = np.asarray(sizes, dtype=np.int64)
     source = np.repeat(np.arange(len(sizes)), sizes)
     first = np.cumsum(sizes) - sizes
-    entries = {k: counts.entries(k).reshape(-1).astype(np.int64) for k in KINDS}
-    before = {k: _grouped_before(entries[k], source) for k in KINDS[1:]}
+    entries = _entries(SampleCounts(counts.table.reshape(-1, counts.table.shape[-1])))
+    before = _grouped_before(entries, source)
     n, nf = len(index), len(fields)
     src = _Place(source[index] * nf, np.zeros(n, np.int64), sizes[source[index]], index - first[source[index]],
-                 {k: v[index] for k, v in before.items()}, np.zeros((n, nf), np.int64), 1)
-    out = {k: v[index] for k, v in entries.items()}
-    regions, block = piece_layout(fields, np.array([n]), {k: np.array([out[k].sum()]) for k in KINDS[1:]})
-    dst = _Place(np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, n, np.int64), np.arange(n),
-                 {k: _grouped_before(out[k], np.zeros(n, np.int64)) for k in KINDS[1:]}, np.repeat(regions, n, axis=0))
+                 before[index], np.zeros((n, nf), np.int64), np.ones(n, np.int64))
+    out = entries[index]
+    regions, block = piece_layout(fields, np.array([n]), out[:, 1:].sum(axis=0)[:, None])
+    zeros = np.zeros(n, np.int64)
+    dst = _Place(zeros, zeros, np.full(n, n, np.int64), np.arange(n), _grouped_before(out, zeros),
+                 np.repeat(regions, n, axis=0), zeros)
     return TakeList(segments=_segments(fields, out, src, dst), regions=regions[0], block_bytes=int(block[0]),
                     out_counts=SampleCounts(counts.table.reshape(-1, counts.table.shape[-1])[index]))

@@ -62,17 +62,26 @@ class Segments:
     def total_bytes(self) -> int:
         return int(self.nbytes.sum())
 
+    @classmethod
+    def trusted(cls, src_buf, src_off, dst_buf, dst_off, nbytes) -> "Segments":
+        """A table of arrays already known valid (int64, one-dimensional, equal lengths, >= 0), e.g.
+        computed by the move list or taken from a valid table: no check, no copy."""
+        s = object.__new__(cls)
+        for f, v in zip(FIELDS, (src_buf, src_off, dst_buf, dst_off, nbytes)):
+            object.__setattr__(s, f, v)
+        return s
+
     def take(self, index) -> "Segments":
         """The segments at `index` (an integer index array or a boolean mask), in that order."""
-        return Segments(*(getattr(self, f)[index] for f in FIELDS))
+        return Segments.trusted(*(getattr(self, f)[index] for f in FIELDS))
 
     def merged(self) -> "Segments":
         """The same copy as fewer segments: zero-byte segments dropped, the rest sorted by destination
         (dst_buf, dst_off) and every run of segments contiguous in both the source and the
         destination (same buffers, each starting where the previous one ends) fused into one.
         Copy order is immaterial since destinations never overlap. Vectorized; O(n log n)."""
-        s = self.take(self.nbytes > 0)
-        s = s.take(np.lexsort((s.dst_off, s.dst_buf)))
+        keep = np.flatnonzero(self.nbytes)
+        s = self.take(keep[np.lexsort((self.dst_off[keep], self.dst_buf[keep]))])
         if len(s) < 2:
             return s
         joins = ((s.src_buf[1:] == s.src_buf[:-1]) & (s.dst_buf[1:] == s.dst_buf[:-1])
@@ -80,5 +89,5 @@ class Segments:
                  & (s.dst_off[:-1] + s.nbytes[:-1] == s.dst_off[1:]))
         starts = np.flatnonzero(np.concatenate([[True], ~joins]))
         head = s.take(starts)
-        return Segments(head.src_buf, head.src_off, head.dst_buf, head.dst_off,
-                        np.add.reduceat(s.nbytes, starts).astype(np.int64))
+        return Segments.trusted(head.src_buf, head.src_off, head.dst_buf, head.dst_off,
+                                np.add.reduceat(s.nbytes, starts).astype(np.int64))
