@@ -142,6 +142,8 @@ def _field(name, fn):
 
 NAN = float("nan")
 EVERY = "every rank of the DP group"
+PEER = "by peer"  # Gloo's words for a peer process that is gone
+PEER_NOTE = "Gloo's 'Connection closed by peer', at times 'Read error ...: Connection reset by peer'"
 COSTS_RULE = "every sample cost must be finite and >= 0"
 GROUPS_RULE = "the canonical grid G must be an integer >= 1"
 IDS_RULE = "input_ids has dtype {}: it must hold integer token ids (torch.int64 or torch.int32); load the " \
@@ -263,9 +265,8 @@ CASES = [
                           world=4)),
     FaultCase("lost_peer", "gloo", where="language rank 1 (vision dp 1 + language dp 2)",
               input="the process exits (os._exit(0)) before its first exchange",
-              sees=(Seen("language rank 0", "CollectiveError",
-                         ("reorder metadata all_gather failed on rank 0", "Connection closed by peer"),
-                         note="at once, well within the 10 s timeout"),
+              sees=(Seen("language rank 0", "CollectiveError", ("reorder metadata all_gather failed on rank 0", PEER),
+                         note=f"at once, well within the 10 s timeout; {PEER_NOTE}"),
                     Seen("vision", None, note="dp 1, no collective: serves all 7 micro-batches")),
               params=dict(argv=["--vision-dp", "1", "--language-dp", "2", "--case", "lost_peer", "--timeout", "10"],
                           world=3, dead=[2])),
@@ -277,8 +278,8 @@ CASES = [
               sees=(Seen("vision", "ReorderError", ("reorder failed on rank 0: ", "pad to a fixed"),
                          note="both vision ranks, at window 1 (micro-batches 2-3): traceback, exit 1 (or SIGTERM "
                               "from torchrun while still exiting)"),
-                    Seen("language", "RuntimeError", "Connection closed by peer",
-                         note="no ReorderError: blocked in the bridge receive of micro-batch 2 until the first vision "
+                    Seen("language", "RuntimeError", PEER,
+                         note=f"{PEER_NOTE}; no ReorderError: blocked in the bridge receive of micro-batch 2 until the first vision "
                               "process exits (about 1 s after its error), then Gloo's error and traceback, then SIGTERM "
                               "from torchrun (exit code -15, or 1 if it exited first); on a loaded machine the SIGTERM "
                               "can come first"),
