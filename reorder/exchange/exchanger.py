@@ -103,13 +103,17 @@ class WindowExchanger:
     collective, natural order, per-sample fields moved to `device` (what reorder off does). Every
     rank and module skips the same windows; in a skipped window a data-source error or an early end
     is raised on its own rank only, as with reorder off. 0 (default): every window is planned.
+    sample_costs: `micro-batch -> B/dp finite costs >= 0`, used instead of the cost model (from fields
+    every module holds, so every module plans alike); they travel bit for bit in the window frame.
+    image_counts: `micro-batch -> B/dp image counts`, instead of counting vision-start tokens.
     """
 
     def __init__(self, *, grid: Grid, micro_batch_size: int, cost: CostModel, balancer: str = "balanced",
                  window_size: int = 1, collectives: Collectives | None = None, batch_dims: dict | None = None,
                  device: torch.device | str | None = None, profile_stages: bool = False,
                  min_gain: float | None = None, min_saving: float | None = None, shadow: bool = False,
-                 cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0):
+                 cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0,
+                 sample_costs=None, image_counts=None):
         check_global_batch(micro_batch_size, grid.groups)
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
@@ -119,7 +123,9 @@ class WindowExchanger:
             raise ValueError(f"collectives has rank {collectives.rank} of {collectives.size} but the grid says "
                              f"rank {grid.rank} of dp {grid.dp}")
         self.settings = PlanSettings(balancer=balancer, min_gain=min_gain, min_saving=min_saving,
-                                     cross_slot=bool(cross_slot), shadow=bool(shadow))
+                                     cross_slot=bool(cross_slot), shadow=bool(shadow),
+                                     given_costs=sample_costs is not None)
+        self.sample_costs, self.image_counts = sample_costs, image_counts
         self.backoff = Backoff(gate_backoff)
         if gate_backoff and not self.settings.gated:
             raise ValueError(f"gate_backoff={gate_backoff} needs the cost-benefit gate: set min_gain or min_saving")
@@ -233,20 +239,30 @@ class WindowExchanger:
             raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
         (placeholders, real, images, sq), grid_thw = self.cost.counts(ids, batch.get("attention_mask"),
                                                                         grid_thw=grid_of(batch))
+        if self.image_counts is not None:
+            images = _per_sample(self.image_counts(batch), len(placeholders), "image_counts", np.int64)
         layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
                                  batch_dims=self.batch_dims, image_counts=torch.from_numpy(images), grid_host=grid_thw,
                                  where=f"micro-batch {slot} ")
         rows = np.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts.numpy()
+        given = np.zeros(len(placeholders), np.float64)
+        if self.sample_costs is not None:
+            given = _per_sample(self.sample_costs(batch), len(placeholders), "sample_costs", np.float64)
+        elif shard.row_counts is not None:
+            self._check_placeholders(slot, placeholders, rows)
+        return layout, shard, SampleCounts.of(placeholders=placeholders, real_tokens=real, images=images, rows=rows,
+                                              square_patches=sq, cost_bits=given.view(np.int64)).table
+
+    def _check_placeholders(self, slot, placeholders, rows):
+        """The cost counts image placeholders; they must account for the patch rows that travel."""
         merge2 = self.cost.spatial_merge_size ** 2
-        bad = np.flatnonzero(placeholders * merge2 != rows) if shard.row_counts is not None else []
+        bad = np.flatnonzero(placeholders * merge2 != rows)
         if len(bad):
             i = int(bad[0])
             raise LayoutError(f"micro-batch {slot} sample {i}: input_ids holds {int(placeholders[i])} image "
                               f"placeholders (x{merge2} = {int(placeholders[i]) * merge2} patches) but grid_thw "
                               f"gives it {int(rows[i])} patch rows: image counts are mis-sourced or "
                               f"image_token_id / spatial_merge_size is wrong")
-        return layout, shard, SampleCounts.of(placeholders=placeholders, real_tokens=real, images=images, rows=rows,
-                                              square_patches=sq).table
 
     def _gather(self, window, error, slots):
         """(gathered counts [W, B] or None, the ranks' layout signatures when they differ, else None);
@@ -278,7 +294,8 @@ class WindowExchanger:
                     spatial_merge_size=c.spatial_merge_size, image_token_id=c.image_token_id,
                     vision_start_token_id=c.vision_start_token_id, balancer=s.balancer, shadow=int(s.shadow),
                     cross_slot=int(s.cross_slot), min_gain=s.min_gain, min_saving=s.min_saving,
-                    gate_backoff=self.backoff.cap)
+                    gate_backoff=self.backoff.cap, given_costs=int(s.given_costs),
+                    given_image_counts=int(self.image_counts is not None))
 
     def _agree(self) -> None:
         """Before the first window: gather the fixed-size config frame, so ranks whose configs differ
@@ -374,6 +391,22 @@ class WindowExchanger:
                                  moved_bytes=0, sent_bytes=0, plan_ms=0.0,
                                  exchange_ms=(time.perf_counter() - t0) * 1e3, gated_slots=w, shadow=self.shadow,
                                  skipped=True)
+
+
+def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
+    """A caller's per-sample values as a [n] array of `dtype`; ValueError naming `name` otherwise
+    (costs must be finite and >= 0, counts integers >= 0)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    a = np.asarray(values)
+    if a.shape != (n,) or not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+        raise ValueError(f"{name} returned {a.dtype} of shape {a.shape}: expected {n} numbers, one per sample")
+    a = a.astype(dtype)
+    bad = np.flatnonzero(~np.isfinite(a) | (a < 0)) if dtype == np.float64 else np.flatnonzero(a < 0)
+    if len(bad):
+        raise ValueError(f"{name} gave sample {int(bad[0])} the value {a[bad[0]].item()!r}: every value must be "
+                         f"{'finite and ' if dtype == np.float64 else ''}>= 0")
+    return a
 
 
 def _paths(layout) -> list:

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-COLUMNS = ("placeholders", "real_tokens", "images", "rows", "list_bytes", "square_patches")
+COLUMNS = ("placeholders", "real_tokens", "images", "rows", "list_bytes", "square_patches", "cost_bits")
 
 
 @dataclass(frozen=True, slots=True)
 class SampleCounts:
     """int64 table [..., len(COLUMNS)]: per sample, image placeholder tokens, real tokens (ones of
     attention_mask), images (vision-start tokens), vision patch rows, bytes of pickled per-sample
-    list entries, and the sum over its images of patches**2. A window's counts are [W, B, ...]
+    list entries, the sum over its images of patches**2, and a cost given per sample by the caller
+    (float64 bits, so every rank plans from the same bits; 0 unless one is given). A window's counts are [W, B, ...]
     (natural order per slot); one rank's share [W, B/dp, ...]."""
 
     table: np.ndarray
@@ -54,6 +55,11 @@ class SampleCounts:
     def flat(self) -> "SampleCounts":
         """The same samples as one axis (a window [W, B] as W*B samples, slot-major)."""
         return SampleCounts(self.table.reshape(-1, len(COLUMNS)))
+
+    @property
+    def given_costs(self) -> np.ndarray:
+        """float64 view of the cost_bits column."""
+        return np.ascontiguousarray(self.cost_bits).view(np.float64)
 
     def entries(self, kind: str) -> np.ndarray:
         """Per-sample entries of a field of `kind`: 1 per "dense" sample, else rows / images / list bytes."""

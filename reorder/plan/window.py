@@ -28,13 +28,15 @@ class PlanSettings:
     natural order unless the relative gain exceeds min_gain and the saving, in cost units, exceeds
     min_saving; None: that test is off); cross_slot: one assignment over the window's W x G
     (slot, group) cells, so samples may change micro-batch (only when the optimizer steps once per
-    window and the loss is normalized over it); shadow: plan and report, move nothing."""
+    window and the loss is normalized over it); shadow: plan and report, move nothing; given_costs:
+    the costs are the caller's per-sample values (the cost_bits column), not the cost model's."""
 
     balancer: str = "balanced"
     min_gain: float | None = None
     min_saving: float | None = None
     cross_slot: bool = False
     shadow: bool = False
+    given_costs: bool = False
 
     def __post_init__(self):
         get_balancer(self.balancer)  # raises with the list of names
@@ -118,8 +120,10 @@ def inverse(orders: np.ndarray) -> np.ndarray:
     return pos
 
 
-def window_costs(counts: SampleCounts, cost: CostModel) -> np.ndarray:
-    """float64 [W, B]: the cost of every sample of the window."""
+def window_costs(counts: SampleCounts, cost: CostModel, given: bool = False) -> np.ndarray:
+    """float64 [W, B]: the cost of every sample of the window (`given`: the caller's, carried in counts)."""
+    if given:
+        return counts.given_costs
     return cost.costs(counts.placeholders, counts.real_tokens, counts.square_patches, counts.images)
 
 
@@ -129,7 +133,7 @@ def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: Pla
 
     unit_bytes: (bytes of one sample's dense fields, of one vision patch row, of one image's
     per-image fields), for `moved_bytes`."""
-    costs = window_costs(counts, cost)
+    costs = window_costs(counts, cost, settings.given_costs)
     w, batch = costs.shape
     cross = settings.cross_slot and w > 1
     if cross:  # one assignment over W x G cells: the window is one batch of W*B samples

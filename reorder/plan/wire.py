@@ -47,7 +47,7 @@ CONFIG = (Field("micro_batch_size", "int"), Field("groups", "int"), Field("dp", 
           Field("encoder_image_weight", "float"), Field("spatial_merge_size", "int"), Field("image_token_id", "int"),
           Field("vision_start_token_id", "int"), Field("balancer", "text"), Field("shadow", "int"),
           Field("cross_slot", "int"), Field("min_gain", "float"), Field("min_saving", "float"),
-          Field("gate_backoff", "int"))
+          Field("gate_backoff", "int"), Field("given_costs", "int"), Field("given_image_counts", "int"))
 CONFIG_WORDS = 1 + sum(f.words for f in CONFIG)
 WINDOW_HEAD = ("magic", "error", "slots", "layout")
 TEXT_AT = len(WINDOW_HEAD)
