@@ -29,6 +29,10 @@ SUITES = {
                  "dp (2); shares: zero-argument callable giving every rank's micro-batch (default "
                  "rank_shares(dp)); config: {rank: WindowExchanger kwargs}; source_error: {rank: exception "
                  "its data source raised, that rank passes no micro-batch}"),
+    "gloo_config": ("tests/test_exchange_faults.py::test_config_that_sizes_the_metadata_differs_on_gloo",
+                    "config: {rank: WindowExchanger kwargs} on 2 forked Gloo ranks (Grid(groups=2, dp=2)), each "
+                    "passing one micro-batch of B/2 zero input_ids [B/2, 8]; run synchronously and through the "
+                    "overlap buffer"),
     "buffer": ("tests/test_buffer.py::test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker",
                "source_error: what the data source raises after 4 micro-batches"),
     "gloo": ("tests/test_functional_gloo.py::test_faults_raise_on_every_rank",
@@ -117,6 +121,38 @@ def _replace(shares: list, rank: int, **fields) -> list:
     out = list(shares)
     out[rank] = dict(shares[rank], **fields)
     return out
+
+
+def _image_sizes_shares():
+    """Global micro-batch of 4 on dp 2: rank 0 holds a sample with one 4x4 image (4 placeholders after
+    the 2x2 merge) and a text-only one, rank 1 two text-only samples; the encoder dict carries an
+    extra per-image field, image_sizes [n_images, 2], so on rank 1 (no image, no patch row) it could
+    be per-row as well as per-image."""
+    shares = []
+    for rank in range(2):
+        ids = torch.zeros(2, 16, dtype=torch.int64)
+        if rank == 0:
+            ids[0, 0], ids[0, 1:5] = syn.VISION_START, syn.IMAGE_TOKEN
+            enc = {"hidden_states": torch.arange(48, dtype=torch.float32).reshape(16, 3),
+                   "grid_thw": torch.tensor([[1, 4, 4]]), "image_sizes": torch.tensor([[64, 64]])}
+        else:
+            enc = {"hidden_states": torch.zeros(0, 3), "grid_thw": torch.zeros(0, 3, dtype=torch.int64),
+                   "image_sizes": torch.zeros(0, 2, dtype=torch.int64)}
+        shares.append({"input_ids": ids, "sample_id": torch.tensor([2 * rank, 2 * rank + 1]),
+                       "modality_inputs": {"images": {"vit": enc}}})
+    return shares
+
+
+def _negative_grid_thw():
+    """Rank 0's second sample holds one image of grid_thw [1, -4, -4] (t*h*w = 16, as its 4
+    placeholders x 4 need, but negative components)."""
+    ids = torch.zeros(2, 16, dtype=torch.int64)
+    ids[1, 0], ids[1, 1:5] = syn.VISION_START, syn.IMAGE_TOKEN
+    bad = {"input_ids": ids, "sample_id": torch.tensor([0, 1]), "modality_inputs": {"images": {"vit": {
+        "hidden_states": torch.zeros(16, 3), "grid_thw": torch.tensor([[1, -4, -4]])}}}}
+    return [bad, {"input_ids": torch.zeros(2, 16, dtype=torch.int64), "sample_id": torch.tensor([2, 3]),
+                  "modality_inputs": {"images": {"vit": {"hidden_states": torch.zeros(0, 3),
+                                                         "grid_thw": torch.zeros(0, 3, dtype=torch.int64)}}}}]
 
 
 def _labels_padded():
@@ -222,6 +258,23 @@ CASES = [
               sees=(Seen(EVERY, "ReorderError", "reorder failed on rank 1: data source raised OSError: disk gone",
                          "equals"),),
               params=dict(source_error={1: OSError("disk gone")})),
+    _mismatch("window_size_mismatch", "window_size (it sizes the window frame)", {1: dict(window_size=1)},
+              "config mismatch across the DP group: window_size is 2 on ranks [0], 1 on ranks [1]"),
+    _mismatch("micro_batch_size_mismatch", "micro_batch_size (it sizes the window frame)",
+              {1: dict(micro_batch_size=8)},
+              "config mismatch across the DP group: micro_batch_size is 4 on ranks [0], 8 on ranks [1]"),
+    FaultCase("per_image_field_on_a_rank_without_images", "emulated",
+              where="the encoder dict of every rank (emulated dp 2)",
+              input="an extra per-image field image_sizes [n_images, 2]; rank 1 holds no image and no patch row",
+              sees=(Seen(EVERY, None, note="a normal reorder: the field's kind is decided by the DP group, "
+                                           "nothing lost"),),
+              params=dict(shares=_image_sizes_shares)),
+    FaultCase("grid_thw_negative", "emulated", where="rank 0's micro-batch (emulated dp 2)",
+              input="grid_thw [1, -4, -4] for an image of 4 placeholders (the product matches the rows)",
+              sees=(Seen(EVERY, "ReorderError",
+                         "reorder failed on rank 0: micro-batch 0 sample 1 image 0: grid_thw [1, -4, -4] has a "
+                         "component < 1: every t, h, w must be an integer >= 1", "starts"),),
+              params=dict(shares=_negative_grid_thw)),
     _mismatch("encoder_weight_mismatch", "encoder_weight", {1: dict(cost=CostModel(encoder_weight=2.0))},
               "config mismatch across the DP group: encoder_weight is 1.0 on ranks [0], 2.0 on ranks [1]"),
     _mismatch("min_saving_mismatch", "min_saving", {0: dict(min_saving=0.0), 1: dict(min_saving=100.0)},
@@ -235,6 +288,20 @@ CASES = [
               "config mismatch across the DP group: shadow is 1 on ranks [0], 0 on ranks [1]"),
     _mismatch("cross_slot_mismatch", "cross_slot (on rank 1 only)", {1: dict(cross_slot=True)},
               "config mismatch across the DP group: cross_slot is 0 on ranks [0], 1 on ranks [1]"),
+
+    # --- config that sizes the metadata, on real Gloo processes: the fixed-size config frame first ---
+    FaultCase("window_size_mismatch_on_gloo", "gloo_config", where="WindowExchanger config of rank 0 (2 Gloo ranks)",
+              input="window_size 2 on rank 0, 1 on rank 1",
+              sees=(Seen(EVERY, "ReorderError", "config mismatch across the DP group: window_size is 2 on ranks "
+                                                "[0], 1 on ranks [1]", "equals",
+                         note="no process dies; synchronous and with overlap"),),
+              params=dict(config={0: dict(window_size=2), 1: dict(window_size=1)})),
+    FaultCase("micro_batch_size_mismatch_on_gloo", "gloo_config",
+              where="WindowExchanger config of rank 1 (2 Gloo ranks)", input="micro_batch_size 4 on rank 0, 8 on rank 1",
+              sees=(Seen(EVERY, "ReorderError", "config mismatch across the DP group: micro_batch_size is 4 on "
+                                                "ranks [0], 8 on ranks [1]", "equals",
+                         note="no process dies; synchronous and with overlap"),),
+              params=dict(config={0: dict(micro_batch_size=4), 1: dict(micro_batch_size=8)})),
 
     # --- overlap buffer ---------------------------------------------------------------------------------
     FaultCase("source_raises_in_a_skipped_run", "buffer",
