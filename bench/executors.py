@@ -113,7 +113,9 @@ def executors(args, device: torch.device) -> dict:
     if device.type == "cuda":
         from reorder.exchange.executors import TritonExecutor
         for b in args.block_bytes:
-            out["triton" if len(args.block_bytes) == 1 else f"triton_b{b}"] = TritonExecutor(block_bytes=b)
+            for w in args.num_warps:
+                one = len(args.block_bytes) == 1 and len(args.num_warps) == 1
+                out["triton" if one else f"triton_b{b}_w{w}"] = TritonExecutor(block_bytes=b, num_warps=w)
     return out
 
 
@@ -160,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--mib", type=int, default=None, help="bytes per table (default 256 on CUDA, 4 on CPU)")
     p.add_argument("--segments", type=int, nargs="+", default=[100, 300])
     p.add_argument("--block-bytes", type=int, nargs="+", default=[16384], help="Triton bytes per program")
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4], help="Triton warps per program")
+    p.add_argument("--sources", nargs="+", default=["device", "pinned"], choices=["device", "pinned"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
     rows = []
     for n in args.segments:
         args_n = argparse.Namespace(**{**vars(args), "segments": n})
-        for source in ("device", "pinned") if device.type == "cuda" else ("device",):
+        for source in args.sources if device.type == "cuda" else ("device",):
             for aligned in (True, False):
                 rows.append(scenario(args_n, device, source, aligned, rng))
     print_table(rows)

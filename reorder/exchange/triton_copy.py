@@ -20,9 +20,14 @@ def _copy_run(src, dst, length, WTYPE: tl.constexpr, WORD: tl.constexpr, ALIGN: 
     between as WORD-byte words of type WTYPE (ALIGN-aligned on both sides)."""
     head = tl.minimum((ALIGN - src % ALIGN) % ALIGN, length)
     body = (length - head) // ALIGN * ALIGN
+    w = tl.arange(0, BLOCK // WORD)
+    if head == 0 and body == BLOCK:  # a whole aligned block (most of a big segment): no masks, full-width vectors
+        fs = tl.multiple_of(tl.cast(src, tl.pointer_type(WTYPE)), ALIGN)
+        fd = tl.multiple_of(tl.cast(dst, tl.pointer_type(WTYPE)), ALIGN)
+        tl.store(fd + w, tl.load(fs + w))
+        return
     # the body is a whole number of ALIGN-byte vectors: the hints let ALIGN 16 load 16 bytes at once
     words = tl.multiple_of(body // WORD, ALIGN // WORD)
-    w = tl.arange(0, BLOCK // WORD)
     ws = tl.multiple_of(tl.cast(src + head, tl.pointer_type(WTYPE)), ALIGN)
     wd = tl.multiple_of(tl.cast(dst + head, tl.pointer_type(WTYPE)), ALIGN)
     tl.store(wd + w, tl.load(ws + w, mask=w < words), mask=w < words)
