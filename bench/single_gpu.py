@@ -13,6 +13,8 @@ Keys (JSON, printed as a table; times are medians over --reps, side by side in o
 - ops_per_window: torch ops the call dispatches (counted with a TorchDispatchMode);
 - plan_ms_<B>x<G> / moves_ms_<B>x<G>: `plan_window` (default balancer) and one rank's `build_moves`
   for B samples over G = dp ranks, on the host;
+- dp1_stages_ms: the device-resident window's stages, each synchronized (prepare: count and
+  describe; gather; plan; pack: move list, sources and the pack launch; all_to_all; assemble);
 - executor: which executor carried the copies.
 """
 
@@ -94,6 +96,10 @@ def dp1(args, dev) -> dict:
         host_ms.append((time.perf_counter() - t) * 1e3)
         sync()
     res["host_ms_per_window"] = float(np.median(host_ms))
+    staged = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
+                             device=dev, profile_stages=True)
+    stages = [staged.exchange([resident[i % 8]])[1].stage_ms for i in range(args.reps)]
+    res["dp1_stages_ms"] = {k: float(np.median([s[k] for s in stages])) for k in stages[0]}
     with Count() as c:
         ex.exchange([resident[0]])
     res["ops_per_window"] = sum(c.ops.values())
@@ -157,8 +163,9 @@ def main(argv=None) -> int:
         profile(args, dev)
     res.update(planning([tuple(int(x) for x in s.split("x")) for s in args.plan_sizes.split(",")], args.reps))
     for k, v in res.items():
-        if k != "ops_by_kind":
+        if k not in ("ops_by_kind", "dp1_stages_ms"):
             print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+    print("dp1_stages_ms", {k: round(v, 3) for k, v in res["dp1_stages_ms"].items()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0

@@ -165,12 +165,15 @@ def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int
     def wire_order(sel, peer):  # peer, then destination slot, then canonical position
         return ids[sel][np.lexsort((plan.dest_pos[sel], plan.dest_slot[sel], peer[sel]))]
 
-    crossing = plan.moves_anything and dp > 1
-    send = wire_order((src_rank == rank) & (dst_rank != rank), dst_rank) if crossing else ids[:0]
-    recv = wire_order((dst_rank == rank) & (src_rank != rank), src_rank) if crossing else ids[:0]
-    sent, send_sizes = _pieces(fields, entries[send], dst_rank[send] * w + plan.dest_slot[send], dp * w)
-    got, recv_sizes = _pieces(fields, entries[recv], src_rank[recv] * w + plan.dest_slot[recv], dp * w)
-    pack = _segments(fields, entries[send], own_place(send, 0), sent)
+    send = recv = ids[:0]
+    send_sizes = recv_sizes = np.zeros(dp * w, np.int64)
+    pack = Segments.trusted(*(ids[:0] for _ in range(5)))
+    if plan.moves_anything and dp > 1:  # else nothing crosses ranks: no pieces, no pack, no all_to_all
+        send = wire_order((src_rank == rank) & (dst_rank != rank), dst_rank)
+        recv = wire_order((dst_rank == rank) & (src_rank != rank), src_rank)
+        sent, send_sizes = _pieces(fields, entries[send], dst_rank[send] * w + plan.dest_slot[send], dp * w)
+        got, recv_sizes = _pieces(fields, entries[recv], src_rank[recv] * w + plan.dest_slot[recv], dp * w)
+        pack = _segments(fields, entries[send], own_place(send, 0), sent)
     # assemble: own and received samples -> output blocks, by destination slot, then position
     mine = np.flatnonzero(dst_rank == rank)
     mine = mine[np.lexsort((plan.dest_pos[mine], plan.dest_slot[mine]))]
@@ -183,7 +186,10 @@ def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int
     todo = ~kept[out_slot]  # kept slots are returned as they are: nothing to assemble
     in_recv = np.zeros(w * batch, np.int64)
     in_recv[recv] = np.arange(len(recv))
-    src = _combine(is_own[todo], own_place(mine[todo & is_own], 1), _take(got, in_recv[mine[todo & ~is_own]]))
+    if len(recv):
+        src = _combine(is_own[todo], own_place(mine[todo & is_own], 1), _take(got, in_recv[mine[todo & ~is_own]]))
+    else:  # every output sample is this rank's own
+        src = own_place(mine[todo], 1)
     dst = _Place(out_slot[todo], np.zeros(todo.sum(), np.int64), np.full(todo.sum(), b, np.int64), k[todo],
                  _grouped_before(out, out_slot)[todo], regions[out_slot[todo]], np.zeros(todo.sum(), np.int64))
     return MoveList(pack=pack, assemble=_segments(fields, out[todo], src, dst),
