@@ -166,85 +166,112 @@ def _spreads(loads: np.ndarray) -> np.ndarray:
 # ---- real processes ------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, cfg: dict):
-    """One process of the demo world: ranks [0, dv) are vision, [dv, dv + dl) language."""
-    import torch.distributed as dist
+class _DemoRank:
+    """One process of the demo world (ranks [0, dv) are vision, [dv, dv + dl) language): its
+    groups, exchanger and buffer over the shared stream, and the checks of each window."""
 
-    from reorder.cli import synthetic as syn
-    from reorder.runtime.buffer import ReorderingBuffer
-    from reorder.exchange.dist import build_groups
-    from reorder.exchange.exchanger import WindowExchanger
-    from support import checks
-    from support.harness import module_fields
+    def __init__(self, rank: int, world: int, cfg: dict):
+        from reorder.cli import synthetic as syn
+        from reorder.exchange.dist import build_groups
+        from reorder.exchange.exchanger import WindowExchanger
+        from reorder.runtime.buffer import ReorderingBuffer
+        from support.harness import module_fields
 
-    out = sys.stderr if cfg["stderr"] else sys.stdout
-    dv, dl, B, W = cfg["vision_dp"], cfg["language_dp"], cfg["micro_batch"], cfg["window"]
-    dps = {"vision": dv, "language": dl}
-    groups = build_groups({"vision": [list(range(dv))], "language": [list(range(dv, dv + dl))]},
-                          overlap=cfg["overlap"], timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
-    module, grid = groups.module, groups.grid
-    cost = _cost(cfg["language_weight"])
-    fields = module_fields(module, cost)
-    ex = WindowExchanger(grid=grid, micro_batch_size=B, cost=cost, balancer=cfg["balancer"], window_size=W,
-                         collectives=groups.side if cfg["overlap"] else groups.main)
-    pending = deque()  # natural global batches, handed from the (possibly background) reader to the checker
+        dv, dl = cfg["vision_dp"], cfg["language_dp"]
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.dps = {"vision": dv, "language": dl}
+        groups = build_groups({"vision": [list(range(dv))], "language": [list(range(dv, dv + dl))]},
+                              overlap=cfg["overlap"], timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
+        self.module, self.grid = groups.module, groups.grid
+        self.cost = _cost(cfg["language_weight"])
+        self.fields = module_fields(self.module, self.cost)
+        ex = WindowExchanger(grid=self.grid, micro_batch_size=cfg["micro_batch"], cost=self.cost,
+                             balancer=cfg["balancer"], window_size=cfg["window"],
+                             collectives=groups.side if cfg["overlap"] else groups.main)
+        self.pending = deque()  # natural global batches, handed from the (possibly background) reader to the checker
 
-    def source():
-        for g in _stream(cfg):
-            pending.append(g)
-            yield syn.module_view(syn.rank_share(g, grid.dp, grid.rank), fields)
+        def source():
+            for g in _stream(cfg):
+                self.pending.append(g)
+                yield syn.module_view(syn.rank_share(g, self.grid.dp, self.grid.rank), self.fields)
 
-    records, t0 = [], time.perf_counter()
-    buf = ReorderingBuffer(source(), ex, overlap=cfg["overlap"])
-    try:
-        for k in range(cfg["windows"]):
-            outs, error, report = [], None, None
-            t_wait = time.perf_counter()
-            try:
-                for _ in range(W):
-                    outs.append(next(buf))
-                if cfg["corrupt"] and k == cfg["windows"] - 1 and rank == world - 1:  # self-test of the checks
-                    outs[-1] = dict(outs[-1], position_ids=outs[-1]["position_ids"].clone())
-                    outs[-1]["position_ids"].view(-1)[-1] += 1
-                wait_ms = (time.perf_counter() - t_wait) * 1e3
-                report = buf.last_report
-                window = [pending.popleft() for _ in outs]
-                for s, (g, got) in enumerate(zip(window, outs)):  # I3, I4 (this rank), I5
-                    checks.check_rank(g, got, report.orders[s], grid.dp, grid.rank, fields=fields,
-                                      vision_start_token_id=cost.vision_start_token_id)
-            except Exception as e:  # noqa: BLE001 - shared with every rank below, then all stop together
-                error = f"{module} rank {grid.rank}: {type(e).__name__}: {e}"
-                wait_ms = 0.0
-            mine = dict(module=module, rank=grid.rank, error=error,
-                        ids=[o["sample_id"].tolist() for o in outs] if error is None else None,
-                        orders=None if report is None else report.orders.tolist(), report=report, wait_ms=wait_ms)
-            everyone = [None] * world
-            dist.all_gather_object(everyone, mine)
-            errors = [e["error"] for e in everyone if e["error"]]
-            if not errors:
-                try:
-                    by_mod = {m: sorted((e for e in everyone if e["module"] == m), key=lambda e: e["rank"])
-                              for m in dps}
-                    _check_world(window, {m: [e["ids"] for e in by_mod[m]] for m in dps},
-                                 {m: [np.asarray(e["orders"]) for e in by_mod[m]] for m in dps},
-                                 {m: _module_costs(window, m, cost) for m in dps}, dps, groups=grid.groups,
-                                 balancer=cfg["balancer"])
-                except Exception as e:  # noqa: BLE001 - every rank reaches the same verdict on the same data
-                    errors = [f"{type(e).__name__}: {e}"]
-            if errors:
-                return dict(failed=f"window {k + 1}: " + "; ".join(errors), records=records) if rank == 0 else None
-            if rank == 0:
-                rec = _record({m: [e["report"] for e in by_mod[m]] for m in dps},
-                              {m: max(e["wait_ms"] for e in by_mod[m]) for m in dps})
-                records.append(rec)
-                print(_progress_line(k, cfg["windows"], t0, rec), file=out, flush=True)
-        try:  # the end-of-stream handshake: every rank passes one empty window together
-            next(buf)
+        self.buf = ReorderingBuffer(source(), ex, overlap=cfg["overlap"])
+
+    def read_window(self, k: int):
+        """(the window's natural global batches, what this rank shares of window k: its sample ids,
+        orders, report and wait, or the error it hit)."""
+        from support import checks
+
+        cfg, grid = self.cfg, self.grid
+        outs, window, error, report = [], [], None, None
+        t_wait = time.perf_counter()
+        try:
+            for _ in range(cfg["window"]):
+                outs.append(next(self.buf))
+            if cfg["corrupt"] and k == cfg["windows"] - 1 and self.rank == self.world - 1:  # the checks' self-test
+                outs[-1] = dict(outs[-1], position_ids=outs[-1]["position_ids"].clone())
+                outs[-1]["position_ids"].view(-1)[-1] += 1
+            wait_ms = (time.perf_counter() - t_wait) * 1e3
+            report = self.buf.last_report
+            window = [self.pending.popleft() for _ in outs]
+            for s, (g, got) in enumerate(zip(window, outs)):  # I3, I4 (this rank), I5
+                checks.check_rank(g, got, report.orders[s], grid.dp, grid.rank, fields=self.fields,
+                                  vision_start_token_id=self.cost.vision_start_token_id)
+        except Exception as e:  # noqa: BLE001 - shared with every rank, then all stop together
+            error = f"{self.module} rank {grid.rank}: {type(e).__name__}: {e}"
+            wait_ms = 0.0
+        return window, dict(module=self.module, rank=grid.rank, error=error,
+                            ids=[o["sample_id"].tolist() for o in outs] if error is None else None,
+                            orders=None if report is None else report.orders.tolist(), report=report,
+                            wait_ms=wait_ms)
+
+    def world_errors(self, window, by_module: dict) -> list:
+        """Every rank's error, else the cross-module checks' (the same verdict on every rank)."""
+        errors = [e["error"] for ranks in by_module.values() for e in ranks if e["error"]]
+        if errors:
+            return errors
+        try:
+            _check_world(window, {m: [e["ids"] for e in ranks] for m, ranks in by_module.items()},
+                         {m: [np.asarray(e["orders"]) for e in ranks] for m, ranks in by_module.items()},
+                         {m: _module_costs(window, m, self.cost) for m in self.dps}, self.dps,
+                         groups=self.grid.groups, balancer=self.cfg["balancer"])
+        except Exception as e:  # noqa: BLE001 - every rank reaches the same verdict on the same data
+            return [f"{type(e).__name__}: {e}"]
+        return []
+
+    def end_of_stream(self) -> None:
+        """The end-of-stream handshake: every rank passes one empty window together."""
+        try:
+            next(self.buf)
             raise RuntimeError("the buffer yielded more micro-batches than the source holds")
         except StopIteration:
             pass
+
+
+def _rank_main(rank: int, world: int, cfg: dict):
+    """One process of the demo world; rank 0 returns the run's records (or where it failed)."""
+    import torch.distributed as dist
+
+    out = sys.stderr if cfg["stderr"] else sys.stdout
+    me = _DemoRank(rank, world, cfg)
+    records, t0 = [], time.perf_counter()
+    try:
+        for k in range(cfg["windows"]):
+            window, mine = me.read_window(k)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine)
+            by_module = {m: sorted((e for e in everyone if e["module"] == m), key=lambda e: e["rank"]) for m in me.dps}
+            errors = me.world_errors(window, by_module)
+            if errors:
+                return dict(failed=f"window {k + 1}: " + "; ".join(errors), records=records) if rank == 0 else None
+            if rank == 0:
+                rec = _record({m: [e["report"] for e in ranks] for m, ranks in by_module.items()},
+                              {m: max(e["wait_ms"] for e in ranks) for m, ranks in by_module.items()})
+                records.append(rec)
+                print(_progress_line(k, cfg["windows"], t0, rec), file=out, flush=True)
+        me.end_of_stream()
     finally:
-        buf.close()
+        me.buf.close()
     return dict(failed=None, records=records, elapsed_s=time.perf_counter() - t0) if rank == 0 else None
 
 

@@ -519,12 +519,40 @@ def run(args) -> dict:
         if bar is not None:
             bar.close()
     layout = " + ".join(f"{k} dp {d}" for k, d in dps.items())
+    q = _print_input(out, samples, args, n, used, layout, groups)
+    _print_results(out, res, balancers, groups)
+    data = dict(input=dict(source=samples.source, field=samples.field, samples=n, used=m * B, dropped=n - m * B),
+                layout=dps, groups=groups, micro_batch=B, micro_batches=m,
+                cost=dict(encoder_weight=args.encoder_weight, language_weight=args.language_weight,
+                          mean=float(used.mean()), median=float(q[0]), p95=float(q[1]), max=float(used.max())),
+                resize=dict(patch_size=args.patch_size, merge_size=args.merge_size, min_pixels=args.min_pixels,
+                            max_pixels=args.max_pixels) if samples.field == "image_sizes" else None,
+                balancers=res["balancers"], bound=res["bound"])
+    if args.plot:
+        make_plot("simulation", args.plot, dict(modules=dps, balancers=res["balancers"], bound=res["bound"],
+                                                spreads=res["spreads"]),
+                  f"reorder simulate: {samples.source}, {plural(m, 'micro-batch')} of B={B}, {layout}")
+        print(f"plot written to {args.plot}", file=out)
+    write_json(args.json, data)
+    return data
+
+
+def _print_input(out, samples: Samples, args, n: int, used: np.ndarray, layout: str, groups: int):
+    """The run's first lines (what was read, how it was cut, the cost distribution); returns the
+    cost's median and p95."""
+    B = args.micro_batch
+    m = len(used) // B
     print(f"reorder simulate: {samples.source}: {n} samples ({_describe_input(samples, args)}); "
           f"{plural(m, 'micro-batch')} of B={B} in file order"
           + (f", {plural(n - m * B, 'trailing sample')} dropped" if n > m * B else ""), file=out)
     q = np.percentile(used, [50, 95]) if len(used) else (0, 0)
     print(f"per-sample cost: mean {used.mean():.0f}, median {q[0]:.0f}, p95 {q[1]:.0f}, max {used.max():.0f}, "
           f"zero-cost (text-only) {np.mean(used == 0):.0%}; layout {layout}, canonical grid G={groups}", file=out)
+    return q
+
+
+def _print_results(out, res: dict, balancers: list, groups: int) -> None:
+    """The table of every balancer and module, the notes on modules made worse, and the legend."""
     print(f"\n{'balancer':10} {'module':9} {'dp':>3} {'straggler before':>17} {'after':>12} {'saved':>7} "
           f"{'bound':>6} {'spread before -> after':>22} {'p95 after':>9} {'moved':>6} {'plan us/mb':>10}", file=out)
     for name in balancers:
@@ -546,17 +574,3 @@ def run(args) -> dict:
                       for name in balancers)
     print(f"plan us/mb = planning time per micro-batch after each balancer's first call, which pays a one-time "
           f"set-up ({first})", file=out, flush=True)
-    data = dict(input=dict(source=samples.source, field=samples.field, samples=n, used=m * B, dropped=n - m * B),
-                layout=dps, groups=groups, micro_batch=B, micro_batches=m,
-                cost=dict(encoder_weight=args.encoder_weight, language_weight=args.language_weight,
-                          mean=float(used.mean()), median=float(q[0]), p95=float(q[1]), max=float(used.max())),
-                resize=dict(patch_size=args.patch_size, merge_size=args.merge_size, min_pixels=args.min_pixels,
-                            max_pixels=args.max_pixels) if samples.field == "image_sizes" else None,
-                balancers=res["balancers"], bound=res["bound"])
-    if args.plot:
-        make_plot("simulation", args.plot, dict(modules=dps, balancers=res["balancers"], bound=res["bound"],
-                                                spreads=res["spreads"]),
-                  f"reorder simulate: {samples.source}, {plural(m, 'micro-batch')} of B={B}, {layout}")
-        print(f"plot written to {args.plot}", file=out)
-    write_json(args.json, data)
-    return data

@@ -183,6 +183,24 @@ class ReorderConfig:
         """The language cost counts real tokens, so every rank must load attention_mask."""
         return self.language_weight > 0 or self.language_quadratic_weight > 0
 
+    # -- the library objects it configures ---------------------------------------------------
+    def cost_model(self):
+        """The `CostModel` these weights, token ids and merge size describe."""
+        from reorder.plan.cost import CostModel
+
+        return CostModel(encoder_weight=self.encoder_weight, language_weight=self.language_weight,
+                         encoder_quadratic_weight=self.encoder_quadratic_weight,
+                         language_quadratic_weight=self.language_quadratic_weight,
+                         encoder_image_weight=self.encoder_image_weight, image_token_id=self.image_token_id,
+                         vision_start_token_id=self.vision_start_token_id, spatial_merge_size=self.spatial_merge_size)
+
+    def exchanger_settings(self) -> dict:
+        """The `WindowExchanger` keyword arguments this config sets: the cost model, the planning
+        settings (`PlanSettings`) and the window (size, gate backoff)."""
+        return dict(cost=self.cost_model(), balancer=self.balancer, window_size=self.window_size, shadow=self.shadow,
+                    cross_slot=self.cross_slot, min_gain=self.min_gain, min_saving=self.min_saving,
+                    gate_backoff=self.gate_backoff)
+
     # -- builders ------------------------------------------------------------------------------
     @classmethod
     def from_object(cls, obj, **overrides) -> "ReorderConfig":

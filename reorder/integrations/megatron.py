@@ -235,15 +235,7 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
     Rejects encoder PP > 1, encoder dp > language dp, language dp not a multiple of encoder dp,
     no fixed-width padding, and a colocated rank whose modules have different DP groups.
     """
-    if global_batch is not None:
-        warnings.warn("wrap(global_batch=...) is deprecated: use micro_batch_size= (Megatron's name for the "
-                      "global micro-batch)", DeprecationWarning, stacklevel=2)
-        if micro_batch_size is not None and micro_batch_size != global_batch:
-            raise TypeError(f"wrap() got micro_batch_size={micro_batch_size} and global_batch={global_batch}: "
-                            "give micro_batch_size only")
-        micro_batch_size = global_batch
-    if micro_batch_size is None:
-        raise TypeError("wrap() missing keyword argument 'micro_batch_size' (B, samples per global micro-batch)")
+    micro_batch_size = _micro_batch_size(micro_batch_size, global_batch)
     cfg = config if isinstance(config, ReorderConfig) else ReorderConfig.from_object(config)
     if not cfg.enabled:
         from reorder.runtime.buffer import PassThroughBuffer
@@ -252,20 +244,48 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
     import torch
     import torch.distributed as dist
 
-    from reorder.runtime.buffer import ReorderingBuffer
-    from reorder.plan.cost import CostModel
     from reorder.exchange.dist import build_groups
     from reorder.exchange.exchanger import WindowExchanger
+    from reorder.runtime.buffer import ReorderingBuffer
 
     groups = check_layout(grids, pp_sizes=pp_sizes, fixed_width_padding=fixed_width_padding,
                           language_module=language_module)
     if module not in groups:
         raise ValueError(f"module={module!r} is not in grids (modules: {list(groups)})")
     me = dist.get_rank() if rank is None else rank
+    _check_dp_group(groups, module, me)
+    if data_iterator is None:
+        raise ValueError(f"data_iterator is None on rank {me} (module {module!r}) but reorder is on: every "
+                         f"rank must load at least input_ids (see fields_to_load) to compute the cost")
+    dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    rg = build_groups(groups, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
+    ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, collectives=rg.side if cfg.overlap else rg.main,
+                         device=dev, early_copy=not cfg.overlap, **cfg.exchanger_settings())  # synchronous: copy early
+    return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
+                            ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks)
+
+
+def _micro_batch_size(micro_batch_size: int | None, global_batch: int | None) -> int:
+    """`wrap`'s B from micro_batch_size= or its deprecated name global_batch= (a warning)."""
+    if global_batch is not None:
+        warnings.warn("wrap(global_batch=...) is deprecated: use micro_batch_size= (Megatron's name for the "
+                      "global micro-batch)", DeprecationWarning, stacklevel=3)
+        if micro_batch_size is not None and micro_batch_size != global_batch:
+            raise TypeError(f"wrap() got micro_batch_size={micro_batch_size} and global_batch={global_batch}: "
+                            "give micro_batch_size only")
+        micro_batch_size = global_batch
+    if micro_batch_size is None:
+        raise TypeError("wrap() missing keyword argument 'micro_batch_size' (B, samples per global micro-batch)")
+    return micro_batch_size
+
+
+def _check_dp_group(groups: dict, module: str, me: int) -> None:
+    """Global rank `me` is in a DP group of `module` and, colocated, in the same one in the first
+    module listing it (build_groups serves that one)."""
     mine = [g for g in groups[module] if me in g]
     if not mine:
         raise ValueError(f"rank {me} is in no DP group of module {module!r}: {groups[module]}")
-    for other, gl in groups.items():  # build_groups serves the first module listing this rank
+    for other, gl in groups.items():
         theirs = [g for g in gl if me in g]
         if theirs and sorted(theirs[0]) != sorted(mine[0]):
             raise ValueError(f"rank {me} is in module {other!r} with DP group {theirs[0]} and in {module!r} with "
@@ -273,21 +293,3 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
                              f"iterator per module, which wrap does not support")
         if theirs:
             break
-    if data_iterator is None:
-        raise ValueError(f"data_iterator is None on rank {me} (module {module!r}) but reorder is on: every "
-                         f"rank must load at least input_ids (see fields_to_load) to compute the cost")
-    dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    rg = build_groups(groups, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
-    cost = CostModel(encoder_weight=cfg.encoder_weight, language_weight=cfg.language_weight,
-                     encoder_quadratic_weight=cfg.encoder_quadratic_weight,
-                     language_quadratic_weight=cfg.language_quadratic_weight,
-                     encoder_image_weight=cfg.encoder_image_weight,
-                     image_token_id=cfg.image_token_id, vision_start_token_id=cfg.vision_start_token_id,
-                     spatial_merge_size=cfg.spatial_merge_size)
-    ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, cost=cost, balancer=cfg.balancer,
-                         window_size=cfg.window_size, collectives=rg.side if cfg.overlap else rg.main,
-                         device=dev, shadow=cfg.shadow, cross_slot=cfg.cross_slot, min_gain=cfg.min_gain,
-                         min_saving=cfg.min_saving, gate_backoff=cfg.gate_backoff,
-                         early_copy=not cfg.overlap)  # synchronous: copy early
-    return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
-                            ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks)

@@ -62,7 +62,7 @@ def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
     """
     c = check_costs(costs, groups)
     visit = np.argsort(-c, kind="stable")  # (-cost, index)
-    grp = np.asarray(_lpt_run(c, groups, visit, True)[1], dtype=np.int64)  # group of visit[k]
+    grp = np.asarray(_lpt_run(c, groups, visit)[1], dtype=np.int64)  # group of visit[k]
     return visit[np.argsort(grp, kind="stable")].astype(np.int64)  # groups in order, insertion order
 
 
@@ -184,56 +184,45 @@ def _sums_are_exact(c: np.ndarray) -> bool:
     return bool((scaled == np.floor(scaled)).all())
 
 
-def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray, record: bool):
+def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray):
     """Equal-count LPT exactly as `lpt` (same visiting order, same float additions): its max group
-    load and, if `record`, the group of every sample in visiting order. When the G largest costs are
-    positive they go to groups 0..G-1 in order (every load is 0 until then, ties by group index), so
-    that first round is set up directly."""
+    load and the group of every sample in visiting order. When the G largest costs are positive
+    they go to groups 0..G-1 in order (every load is 0 until then, ties by group index), so that
+    first round is set up directly."""
     cap = len(c) // groups
     xs = c[visit].tolist()
-    assigned = []
     if cap > 1 and xs[groups - 1] > 0:
         heap = [(xs[j], j, 2) for j in range(groups)]     # (load, group, count after the next one)
         heapq.heapify(heap)
         xs = xs[groups:]
-        assigned = list(range(groups)) if record else assigned
+        assigned = list(range(groups))
     else:
         heap = [(0.0, j, 1) for j in range(groups)]
+        assigned = []
     top = -math.inf
-    replace, pop = heapq.heapreplace, heapq.heappop
-    if record:
-        push = assigned.append
-        for x in xs:
-            load, j, k = heap[0]
-            push(j)
-            if k < cap:
-                replace(heap, (load + x, j, k + 1))
-            else:
-                pop(heap)
-                if load + x > top:
-                    top = load + x
-        return top, assigned
+    push, replace, pop = assigned.append, heapq.heapreplace, heapq.heappop
     for x in xs:
         load, j, k = heap[0]
+        push(j)
         if k < cap:
             replace(heap, (load + x, j, k + 1))
         else:
             pop(heap)
             if load + x > top:
                 top = load + x
-    return top, None
+    return top, assigned
 
 
 def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray) -> float:
     """Max group load of equal-count LPT, exactly as `lpt` computes it."""
-    return _lpt_run(c, groups, visit, False)[0]
+    return _lpt_run(c, groups, visit)[0]
 
 
 def _lpt_members(c: np.ndarray, groups: int) -> np.ndarray:
     """LPT's partition as int64 [G, m] (row j: group j's samples, ascending)."""
     visit = np.argsort(-c, kind="stable")
     grp = np.empty(len(c), dtype=np.int64)
-    grp[visit] = _lpt_run(c, groups, visit, True)[1]
+    grp[visit] = _lpt_run(c, groups, visit)[1]
     return np.argsort(grp, kind="stable").reshape(groups, -1)
 
 
@@ -305,7 +294,13 @@ def _coarse(M, C, L, theta):
     ones until it would sit at `theta` (counting the small costs it will receive back); groups below
     evict their smallest costs, as many in total, in proportion to their room; the evicted samples are
     refilled into the vacated slots by LPT. Moves only the evicted samples. Returns new (M, C)."""
-    G, m = M.shape
+    out = _evictions(C, L, theta)
+    return (M, C) if out is None else _refill(M, C, out)
+
+
+def _evictions(C, L, theta):
+    """bool [G, m]: the slots `_coarse` vacates, or None when it moves nothing."""
+    G, m = C.shape
     order = np.argsort(-C, axis=1, kind="stable")
     order += np.arange(0, G * m, m)[:, None]        # flat positions, row by row
     Cs = C.ravel()[order]
@@ -313,7 +308,7 @@ def _coarse(M, C, L, theta):
     heavy = excess > 0
     light = ~heavy
     if not heavy.any() or not light.any():
-        return M, C
+        return None
     smallest = np.sort(Cs[light, -1])
     incoming = float(smallest[len(smallest) // 2])
     shed = np.cumsum(Cs[:, 1:] - incoming, axis=1)
@@ -321,7 +316,7 @@ def _coarse(M, C, L, theta):
     total = int(E.sum())
     room = np.where(light, -excess, 0.0)
     if total == 0 or not room.sum() > 0:
-        return M, C
+        return None
     share = total * room / np.cumsum(room)[-1]
     F = np.floor(share).astype(np.int64)
     rest = total - int(F.sum())
@@ -332,14 +327,20 @@ def _coarse(M, C, L, theta):
     out_sorted = np.where(heavy[:, None], (col >= 1) & (col <= E[:, None]), col >= m - F[:, None])
     out = np.zeros((G, m), dtype=bool)
     out.ravel()[order] = out_sorted
+    return out
+
+
+def _refill(M, C, out):
+    """New (M, C) with the samples of the vacated slots `out` put back into them by LPT on expected
+    final loads: every slot of a group beyond its next one counts as the mean of the smallest
+    evicted costs (those fill such slots), so a group with many vacancies (one huge sample kept)
+    takes the small samples, last."""
+    G = M.shape[0]
     gi, pi = np.nonzero(out)                       # vacated slots, grouped by group (row-major)
     items, ic = M[gi, pi], C[gi, pi]
     pinned = _row_sums(np.where(out, 0.0, C))
     vacant = np.bincount(gi, minlength=G)
     open_groups = np.flatnonzero(vacant)
-    # LPT on expected final loads: every slot of a group beyond its next one counts as the mean of
-    # the smallest evicted costs (those fill such slots), so a group with many vacancies (one huge
-    # sample kept) takes the small samples, last
     extra = len(ic) - len(open_groups)
     avg = float(np.cumsum(np.sort(ic)[:extra])[-1] / extra) if extra > 0 else 0.0
     heap = list(zip((pinned[open_groups] + (vacant[open_groups] - 1) * avg).tolist(), open_groups.tolist()))
@@ -717,45 +718,58 @@ def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
         if L.max() > lb * (1 + _EXACT_MARGIN):
             _resplit(M, C, L, 2, [math.inf])
     elif L.max() > lb * (1 + _EXACT_MARGIN):        # else the natural plan is optimal: keep it
-        target = lb * (1 + _TOL)
-        small = G * m * m <= _SMALL
-        K = G - 1 if small else max(1, min(G - 1, _POLISH_WORK // (m * m)))
-        iters = _SMALL_ITERS if small else _POLISH_ITERS
-        if n >= _COARSE_MIN:
-            M, C = _coarse(M, C, L, lb)
-            L = _row_sums(C)
-        _pair_rounds(M, C, L, target, _PAIR_ROUNDS)
-        if not small:
-            _batched_rounds(M, C, L, target, _BATCH_ROUNDS, _BATCH_WORK)
-        _improve(M, C, L, target, iters, K)
-        best = L.max()
-        if small or best > lpt_max:
-            A = _lpt_members(c, G)
-            CA = c[A]
-            LA = _row_sums(CA)
-            _improve(A, CA, LA, target, iters, K)
-            if LA.max() < best * (1 - _EXACT_MARGIN) or best > lpt_max:
-                M = _relabel(A, m)
-                C = c[M]
-                L = _row_sums(C)
-                best = L.max()
-        if n <= _EXHAUSTIVE_B:
-            opt, X = _exhaustive(c, G, m)
-            if best > opt * (1 + _EXACT_MARGIN):
-                M = _relabel(X, m)
-                C = c[M]
-                L = _row_sums(C)
-                best = L.max()
-        _return_home(M, C, L, best, _HOME_ROUNDS if small else _HOME_ROUNDS_LARGE if n < _HOME_MAX_B else 0)
-    mine = L.max()
-    if _sums_are_exact(c):
-        worse = mine > lpt_max                        # every float sum above is exact
-    else:
-        worse = not mine < lpt_max * (1 - _EXACT_MARGIN) and \
-            _exact_max(C.tolist()) > _exact_max(c[_lpt_members(c, G)].tolist())
-    if worse:
+        M, C, L = _search(c, M, C, L, lb, lpt_max)
+    if _worse_than_lpt(c, C, L.max(), lpt_max, G):
         M = _relabel(_lpt_members(c, G), m)
     return np.sort(M, axis=1).reshape(-1)
+
+
+def _search(c, M, C, L, lb, lpt_max):
+    """Steps 1-6 of `balanced` from the natural partition (M, C, L: members, costs, loads), which
+    is above the lower bound `lb`: the best partition found, as new (M, C, L)."""
+    G, m = M.shape
+    n = G * m
+    target = lb * (1 + _TOL)
+    small = G * m * m <= _SMALL
+    K = G - 1 if small else max(1, min(G - 1, _POLISH_WORK // (m * m)))
+    iters = _SMALL_ITERS if small else _POLISH_ITERS
+    if n >= _COARSE_MIN:
+        M, C = _coarse(M, C, L, lb)
+        L = _row_sums(C)
+    _pair_rounds(M, C, L, target, _PAIR_ROUNDS)
+    if not small:
+        _batched_rounds(M, C, L, target, _BATCH_ROUNDS, _BATCH_WORK)
+    _improve(M, C, L, target, iters, K)
+    best = L.max()
+    if small or best > lpt_max:
+        A = _lpt_members(c, G)
+        CA = c[A]
+        LA = _row_sums(CA)
+        _improve(A, CA, LA, target, iters, K)
+        if LA.max() < best * (1 - _EXACT_MARGIN) or best > lpt_max:
+            M, C, L, best = _adopt(c, A)
+    if n <= _EXHAUSTIVE_B:
+        opt, X = _exhaustive(c, G, m)
+        if best > opt * (1 + _EXACT_MARGIN):
+            M, C, L, best = _adopt(c, X)
+    _return_home(M, C, L, best, _HOME_ROUNDS if small else _HOME_ROUNDS_LARGE if n < _HOME_MAX_B else 0)
+    return M, C, L
+
+
+def _adopt(c, X):
+    """Partition X [G, m] relabelled to overlap the natural groups most: (M, C, L, max load)."""
+    M = _relabel(X, X.shape[1])
+    C = c[M]
+    L = _row_sums(C)
+    return M, C, L, L.max()
+
+
+def _worse_than_lpt(c, C, mine, lpt_max, groups) -> bool:
+    """The guard of `balanced`: partition costs C (max load `mine`) above LPT's exact max load."""
+    if _sums_are_exact(c):
+        return mine > lpt_max                         # every float sum above is exact
+    return not mine < lpt_max * (1 - _EXACT_MARGIN) and \
+        _exact_max(C.tolist()) > _exact_max(c[_lpt_members(c, groups)].tolist())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -767,63 +781,81 @@ def exact(costs: np.ndarray, groups: int, *, fewest_moves: bool = True,
     """The optimal plan: minimal max group load under equal counts, then (fewest_moves) the fewest
     samples away from their natural group. Same contract and canonical order as `balanced`.
 
-    Two MILPs solved by scipy.optimize.milp (HiGHS); scipy is imported here because it is not a core
-    dependency (pip install scipy). Stage 1 breaks the symmetry between groups (the r-th largest cost
+    Two MILPs (`_AssignmentMilp`) solved by scipy.optimize.milp (HiGHS); scipy is imported on the
+    call because it is not a core dependency (pip install scipy). Stage 1 breaks the symmetry between groups (the r-th largest cost
     may only go to groups 0..r) and is bounded by LPT's max load; stage 2 keeps every load
     within 1e-9 (relative) of stage 1's optimum and maximises samples kept home. For small instances:
     B <= 16 usually takes well under a second, stage 2 is the harder one, and some B ~ 32-256
     instances take minutes. Raises TimeoutError when `time_limit` (seconds, per stage) stops a stage
     before optimality is proven.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     c = check_costs(costs, groups)
     n, G = len(c), int(groups)
     m = n // G
     if G == 1 or m == 1:
         return np.arange(n, dtype=np.int64)
     visit = np.argsort(-c, kind="stable")
-    lpt_max = _lpt_max(c, G, visit)
-    nv = n * G + 1                                   # x[i*G + j] (sample i in group j), then T
-    i_idx = np.repeat(np.arange(n), G)
-    j_idx = np.tile(np.arange(G), n)
-    var = i_idx * G + j_idx
-    one_group = LinearConstraint(coo_matrix((np.ones(n * G), (i_idx, var)), shape=(n, nv)), 1, 1)
-    count = LinearConstraint(coo_matrix((np.ones(n * G), (j_idx, var)), shape=(G, nv)), m, m)
-    load = coo_matrix((np.concatenate([c[i_idx], -np.ones(G)]),
-                       (np.concatenate([j_idx, np.arange(G)]), np.concatenate([var, np.full(G, n * G)]))),
-                      shape=(G, nv))
-    integrality = np.ones(nv)
-    integrality[-1] = 0
-    options = {} if time_limit is None else {"time_limit": float(time_limit)}
-
-    def solve(objective, lo, hi, constraints, what):
-        res = milp(objective, constraints=constraints, integrality=integrality, bounds=Bounds(lo, hi),
-                   options=options)
-        if res.status != 0 or res.x is None:
-            raise TimeoutError(f"exact: {what} not solved to optimality (status {res.status}: "
-                               f"{res.message}); B={n}, G={G}, time_limit={time_limit}")
-        return np.round(res.x[:-1]).reshape(n, G).argmax(axis=1)
-
     rank = np.empty(n, dtype=np.int64)
     rank[visit] = np.arange(n)
-    lo, hi = np.zeros(nv), np.ones(nv)
-    hi[:-1][j_idx > rank[i_idx]] = 0                 # symmetry breaking (stage 1 only)
-    hi[-1] = lpt_max * (1 + 1e-6) + 1e-6             # loose: HiGHS rejects very tight windows
-    objective = np.zeros(nv)
-    objective[-1] = 1.0
-    grp = solve(objective, lo, hi, [one_group, count, LinearConstraint(load, -np.inf, 0)], "min max load")
-    best = _exact_max([c[grp == j].tolist() for j in range(G)])
+    milp = _AssignmentMilp(c, G, time_limit)
+    grp = milp.min_max_load(rank, _lpt_max(c, G, visit))
     if fewest_moves:
-        lo, hi = np.zeros(nv), np.ones(nv)
+        grp = milp.fewest_moves(_exact_max([c[grp == j].tolist() for j in range(G)]))
+    return np.lexsort((np.arange(n), grp)).astype(np.int64)
+
+
+class _AssignmentMilp:
+    """The two MILPs of `exact` over variables x[i*G + j] (sample i in group j), then T: every
+    sample in one group, B/G samples per group, every group's load at most T (stage 1) or at most
+    a fixed cap (stage 2). scipy is imported here: it is not a core dependency."""
+
+    def __init__(self, c: np.ndarray, groups: int, time_limit: float | None):
+        from scipy.optimize import LinearConstraint
+        from scipy.sparse import coo_matrix
+
+        n, G = len(c), groups
+        self.n, self.G, self.m, self.nv, self.time_limit = n, G, n // G, n * G + 1, time_limit
+        nv = self.nv
+        self.i_idx = i_idx = np.repeat(np.arange(n), G)
+        self.j_idx = j_idx = np.tile(np.arange(G), n)
+        self.var = var = i_idx * G + j_idx
+        self.one_group = LinearConstraint(coo_matrix((np.ones(n * G), (i_idx, var)), shape=(n, nv)), 1, 1)
+        self.count = LinearConstraint(coo_matrix((np.ones(n * G), (j_idx, var)), shape=(G, nv)), self.m, self.m)
+        self.load = coo_matrix((np.concatenate([c[i_idx], -np.ones(G)]),
+                                (np.concatenate([j_idx, np.arange(G)]), np.concatenate([var, np.full(G, n * G)]))),
+                               shape=(G, nv))
+
+    def min_max_load(self, rank: np.ndarray, lpt_max: float) -> np.ndarray:
+        """Stage 1: minimal max load, with the r-th largest cost (`rank`) only in groups 0..r
+        (symmetry breaking) and T bounded by LPT's max load. The group of every sample."""
+        lo, hi = np.zeros(self.nv), np.ones(self.nv)
+        hi[:-1][self.j_idx > rank[self.i_idx]] = 0
+        hi[-1] = lpt_max * (1 + 1e-6) + 1e-6             # loose: HiGHS rejects very tight windows
+        objective = np.zeros(self.nv)
+        objective[-1] = 1.0
+        return self._solve(objective, lo, hi, 0, "min max load")
+
+    def fewest_moves(self, best: float) -> np.ndarray:
+        """Stage 2: every load within 1e-9 (relative) of `best`, most samples kept home."""
+        lo, hi = np.zeros(self.nv), np.ones(self.nv)
         hi[-1] = lo[-1] = 0.0
         cap = best + 1e-9 * max(1.0, abs(best))
-        objective = np.zeros(nv)
-        objective[var[j_idx == i_idx // m]] = -1.0     # maximise samples kept home
-        grp = solve(objective, lo, hi, [one_group, count, LinearConstraint(load, -np.inf, cap)],
-                    "fewest moves")
-    return np.lexsort((np.arange(n), grp)).astype(np.int64)
+        objective = np.zeros(self.nv)
+        objective[self.var[self.j_idx == self.i_idx // self.m]] = -1.0     # maximise samples kept home
+        return self._solve(objective, lo, hi, cap, "fewest moves")
+
+    def _solve(self, objective, lo, hi, load_cap, what) -> np.ndarray:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        integrality = np.ones(self.nv)
+        integrality[-1] = 0
+        options = {} if self.time_limit is None else {"time_limit": float(self.time_limit)}
+        res = milp(objective, constraints=[self.one_group, self.count, LinearConstraint(self.load, -np.inf, load_cap)],
+                   integrality=integrality, bounds=Bounds(lo, hi), options=options)
+        if res.status != 0 or res.x is None:
+            raise TimeoutError(f"exact: {what} not solved to optimality (status {res.status}: "
+                               f"{res.message}); B={self.n}, G={self.G}, time_limit={self.time_limit}")
+        return np.round(res.x[:-1]).reshape(self.n, self.G).argmax(axis=1)
 
 
 BALANCERS = {"lpt": lpt, "identity": identity, "balanced": balanced}
