@@ -1,4 +1,4 @@
-"""Executable invariants I1-I8 of DESIGN.md section 3: each function checks one property on plain
+"""Executable invariants I1-I8 of docs/design.md, Invariants: each function checks one property on plain
 Python data (sample identities, orders, bytes) and raises InvariantViolation explaining exactly
 what broke. Never imports `reorder`."""
 

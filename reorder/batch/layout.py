@@ -1,6 +1,6 @@
 """Batch layout: which fields of a micro-batch are per-sample, along which dim, and how big.
 
-A micro-batch is a dict (Qwen-VL style, DESIGN section 4):
+A micro-batch is a dict (Qwen-VL style, docs/design.md, Micro-batches):
 - tensors with a batch dim: dim 0 by default; `position_ids` of rank 3 ([3, B, S], MRoPE) on dim 1;
   override with `batch_dims={"name": dim}`; a tensor whose batch-dim size is not B is global metadata;
 - `modality_inputs = {"images": {encoder: {"hidden_states": [sum P, F], "grid_thw": [n_img, 3]}}}`:

@@ -1,6 +1,6 @@
 """Canonical-grid batch sampler: each module rank reads its contiguous share of one global micro-batch.
 
-Contract (DESIGN sections 2 and 7). Every module, whatever its DP size d, walks the same sequence of
+Contract (docs/design.md, Canonical grid and Scalable reads). Every module, whatever its DP size d, walks the same sequence of
 ordered *global micro-batches* of B samples, defined on the canonical grid G = lcm(module DP sizes)
 (`math.lcm(*dp_sizes)`; B % G == 0). Group g (0 <= g < G) holds positions [g*B/G, (g+1)*B/G) of each
 global micro-batch, so rank r of a module with DP size d yields positions [r*B/d, (r+1)*B/d): the

@@ -6,7 +6,7 @@ canonical order: int64 [B], position p -> natural sample index; group j holds po
 ties are broken by index, never by hash or dict order.
 
 - "identity": the natural assignment, nothing moves.
-- "lpt": equal-count LPT, bit-for-bit the reference (compatibility mode, DESIGN section 5).
+- "lpt": equal-count LPT, bit-for-bit the reference (compatibility mode, docs/design.md, Balancers).
 - "balanced" (recommended): a max group load never above LPT's on any input, usually optimal or
   within 0.05% of it, and far fewer samples moved (`balanced` says how).
 For tests and benchmarks: `lower_bound` (a proven lower bound on the optimal max load) and `exact`
@@ -55,7 +55,7 @@ def identity(costs: np.ndarray, groups: int) -> np.ndarray:
 
 
 def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
-    """Equal-count LPT, bit-for-bit the reference (DESIGN section 5).
+    """Equal-count LPT, bit-for-bit the reference (docs/design.md, Balancers).
 
     Visit samples by (-cost, index); each goes to the non-full group with the smallest
     (load, group index); canonical order = groups in order, members in insertion order.

@@ -44,7 +44,7 @@ _INLINE = object()  # queued by the worker: the consumer exchanges the coming ru
 
 
 def check_overlap_allowed(device) -> None:
-    """Refuse overlap where a second communicator on another thread can deadlock (DESIGN section 6)."""
+    """Refuse overlap where a second communicator on another thread can deadlock (docs/design.md, Overlap)."""
     if device is not None and torch.device(device).type == "cuda" and \
             os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         raise ValueError("megatron_mimo_reorder_overlap=True with CUDA_DEVICE_MAX_CONNECTIONS=1: collectives "
