@@ -448,7 +448,7 @@ def test_resume(args, env):
 def test_soak(args, env):
     results, refused = [], None
     if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and args.device == "cuda":
-        try:  # overlap must be refused there (DESIGN section 6), on every rank alike
+        try:  # overlap must be refused there (docs/design.md, Overlap), on every rank alike
             Run(args, env, reorder_cfg(True, window=2, overlap=True), iters=1).close()
         except ValueError as e:
             refused = str(e)

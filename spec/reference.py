@@ -1,7 +1,7 @@
 """Slow, obviously-correct reference versions of every reorder computation (plain Python, no torch).
 
 Nothing here imports `reorder`; tests hold the implementation against these functions.
-Conventions follow ../shared/DESIGN.md: B samples per global micro-batch, grid G = lcm(dp sizes),
+Conventions follow docs/design.md, Vocabulary: B samples per global micro-batch, grid G = lcm(dp sizes),
 group j holds canonical positions [j*B/G, (j+1)*B/G), a module with DP size d gives rank r the
 positions [r*B/d, (r+1)*B/d).
 """
@@ -75,7 +75,7 @@ def sample_cost(input_ids_row, attention_row, *, image_token_id, spatial_merge_s
 
 
 def lpt_order(costs, groups):
-    """Equal-count LPT (DESIGN section 5), returns canonical order (position -> sample index).
+    """Equal-count LPT (docs/design.md, Balancers), returns canonical order (position -> sample index).
 
     Visit samples by (-cost, index); each goes to the non-full group with the smallest
     (load, group index); canonical order = groups in order, members in insertion order.

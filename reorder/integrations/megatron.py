@@ -29,7 +29,7 @@ from reorder.integrations.config import ReorderConfig, check_model_layout
 
 LANGUAGE = "language"  # megatron.core.models.mimo.config.role.MIMO_LANGUAGE_MODULE_KEY
 
-# Field names of a Qwen-VL MIMO micro-batch (DESIGN section 4).
+# Field names of a Qwen-VL MIMO micro-batch (docs/design.md, Micro-batches).
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
