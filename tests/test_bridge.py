@@ -513,3 +513,120 @@ def test_image_counts_come_from_image_count_of():
             assert mb["sample_id"].tolist() == [int(g["sample_id"][i]) for i in mine]
             n_img = (g["input_ids"] == 77).sum(dim=1)
             assert mb["modality_inputs"]["images"]["vit"]["grid_thw"].shape[0] == int(n_img[mine].sum())
+
+
+# ---- costs and image counts through the exchanger's hooks ----------------------------------------
+
+def test_micro_batches_sharing_one_input_ids_tensor_keep_their_own_costs():
+    """Costs belong to the micro-batch they were computed from, even where two micro-batches of a
+    window hold the very same input_ids tensor object."""
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    batches = [{"input_ids": ids, "sample_id": torch.arange(4) + 10 * s} for s in range(2)]
+    costs = {0: 1.0, 1: 5.0, 2: 2.0, 3: 4.0, 10: 4.0, 11: 2.0, 12: 5.0, 13: 1.0}
+    buf = br.ReorderingBuffer(iter(batches), dp_rank=0, dp_size=1, n_groups=2, window_size=2,
+                              cost_of=lambda f: costs[int(f["sample_id"].item())], dp_group_gloo=None,
+                              dp_group_nccl=None)
+    want = [[10 * s + i for i in lpt_order([costs[10 * s + i] for i in range(4)], 2)] for s in range(2)]
+    assert [b["sample_id"].tolist() for b in buf] == want == [[1, 0, 3, 2], [12, 13, 10, 11]]
+
+
+def _two_ranks(cost_of_rank, image_count_of_rank=lambda r: br.image_count_of, n=2):
+    """Vision dp 2 over emulated ranks, each rank with its own cost_of / image_count_of."""
+    globals_ = _global_batches(n, 8, seed=27)
+
+    def rank_fn(r, coll):
+        return list(br.ReorderingBuffer((_share(g, 2, r, VISION) for g in globals_), dp_rank=r, dp_size=2,
+                                        n_groups=2, cost_of=cost_of_rank(r), dp_group_gloo=coll, dp_group_nccl=coll,
+                                        image_count_of=image_count_of_rank(r)))
+    return run_emulated(2, rank_fn, timeout=30, return_exceptions=True)
+
+
+def test_a_cost_of_that_raises_on_one_rank_raises_on_every_rank():
+    def boom(flat):
+        raise RuntimeError("no cost for this sample")
+
+    res = _two_ranks(lambda r: boom if r == 1 else (lambda f: COST(f)))
+    assert all(isinstance(e, ReorderError) and "cost_of raised RuntimeError: no cost for this sample" in str(e)
+               for e in res), res
+
+
+@pytest.mark.parametrize("value,text", [(float("nan"), "the value nan"), (-1.0, "the value -1.0"),
+                                        (float("inf"), "the value inf")])
+def test_a_bad_cost_on_one_rank_raises_on_every_rank(value, text):
+    res = _two_ranks(lambda r: (lambda f: value) if r == 1 else (lambda f: COST(f)))
+    assert all(isinstance(e, ReorderError) and "sample_costs" in str(e) and text in str(e) for e in res), res
+
+
+def test_image_counts_of_the_wrong_length_raise_on_every_rank():
+    res = _two_ranks(lambda r: COST, lambda r: (lambda b: br.image_count_of(b)[:-1]) if r == 0 else br.image_count_of)
+    assert all(isinstance(e, ReorderError) and "image_count_of returned 3 counts for a micro-batch of 4 samples"
+               in str(e) for e in res), res
+
+
+def test_vectorized_on_one_rank_and_per_sample_on_another_is_a_config_mismatch():
+    """The cost models agree (the same weights and ids), but only one rank's costs are given per sample."""
+    res = _two_ranks(lambda r: COST if r == 0 else (lambda f: COST(f)))
+    assert [str(e) for e in res] == ["config mismatch across the DP group: given_costs is 0 on ranks [0], "
+                                     "1 on ranks [1]"] * 2
+
+
+# ---- functional_tests/bridge_cuda.py on the CPU ---------------------------------------------------
+
+def _bridge_cuda(world, *extra):
+    """(exit status, the RESULT dict) of functional_tests/bridge_cuda.py at toy sizes on the CPU."""
+    import ast
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = [str(root / "functional_tests" / "bridge_cuda.py"), "--device", "cpu", "--seq-len", "256",
+              "--features", "8", "--mix", "small", "--micro-batch", "8", "--timeout", "90", *extra]
+    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(world)]
+    # its own session: on a timeout the launcher and its workers are ended together, none left behind
+    proc = subprocess.Popen(launcher + script, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, out[-3000:] + err[-3000:]
+    return proc.returncode, ast.literal_eval(lines[0][len("RESULT "):])
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["dp1", "dp1+dp2-gloo"])
+def test_bridge_cuda_script_runs_on_cpu(world):
+    """The GPU check's own code paths at toy sizes: dp 1 in one process, and under torchrun a dp-2
+    module over Gloo as well (GPUs hidden by --device cpu)."""
+    rc, result = _bridge_cuda(world)
+    assert rc == 0 and result["ok"] and result["mismatches"] == [], result
+    assert result["device"] == f"cpu x{world}"
+    assert result["checked"] == 15 * world * (1 if world == 1 else 2)  # 3 cases x 5 micro-batches per rank and dp
+    assert len(result["ms_per_micro_batch"]) == (3 if world == 1 else 6)
+
+
+def test_bridge_cuda_check_catches_a_changed_token():
+    """The script's check fails on one changed token of one received micro-batch (in process: the
+    subprocess runs above cover the script as a whole)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "functional_tests" / "bridge_cuda.py"
+    spec = importlib.util.spec_from_file_location("bridge_cuda", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = np.random.default_rng(0)
+    globals_ = [syn.make_global_batch(rng, 8, 128, features=4, mix="small", first_id=8 * k) for k in range(2)]
+    wants = [script.per_sample_bytes(g, vision_start_token_id=syn.VISION_START) for g in globals_]
+    costs = {kind: [script.reference_costs(g, kind) for g in globals_] for kind in ("vectorized", "custom")}
+    for inject in (False, True):
+        bad, checked, _, _ = script.run_case(script.CASES[0], globals_, wants, costs, dp=1, rank=0, groups={},
+                                             dev=torch.device("cpu"), inject=inject)
+        assert checked == 2
+        assert bad == ([f"{script.CASES[0][0]}: micro-batch 0: rank 0's samples differ from reorder off's bytes "
+                        "in canonical order"] if inject else [])

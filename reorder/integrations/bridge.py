@@ -21,7 +21,10 @@ Costs. A `functools.partial` of `sample_cost` (this module's, or Bridge's own) w
 runs as this library's vectorized `CostModel`: counts for the whole micro-batch in a few tensor ops,
 bit-identical costs. Any other `cost_of` is honoured exactly as upstream does: called once per
 sample on a per-sample flat dict (dotted keys, batch dim kept with size 1: upstream's format; here
-views, nothing is copied), and its float64 costs travel, bit for bit, in the metadata all-gather.
+views, nothing is copied), through the exchanger's `sample_costs` hook: its float64 costs travel,
+bit for bit, in the window frame's cost_bits column. Per-sample image counts (`image_count_of`, or
+upstream's one-image-per-sample fallback) go through the `image_counts` hook. Both hooks read only
+the micro-batch they are given.
 
 Plans. The default balancer is `lpt`, upstream's equal-count LPT bit for bit: every rank receives the
 same samples in the same order as with upstream. `balancer="balanced"` (an extra keyword) gives a max
@@ -149,65 +152,78 @@ def _vectorized_cost(cost_of):
                      spatial_merge_size=math.isqrt(merge))
 
 
-def _vision_start_of(image_count):
-    """The vision-start token id when `image_count` is this module's image_count_of (or a partial of
-    it): the vectorized counts then give the image counts too. Else None."""
-    if image_count is image_count_of:
-        return QWEN35_VISION_START_TOKEN_ID
-    if isinstance(image_count, functools.partial) and image_count.func is image_count_of and not image_count.args \
-            and set(image_count.keywords) <= {"vision_start_token_id"}:
-        token = image_count.keywords.get("vision_start_token_id", QWEN35_VISION_START_TOKEN_ID)
-        return token if isinstance(token, int) and not isinstance(token, bool) else None
-    return None
+# ---- the exchanger's hooks (per-sample costs and image counts given by this module) ----------
+
+def _call(fn, arg, name: str):
+    """fn(arg), with any exception it raises re-raised as a ValueError naming `name`.
+
+    Why: the exchanger shares the ValueErrors raised while it counts a micro-batch with the whole DP
+    group (every rank then raises the same ReorderError); any other exception type would escape on
+    this rank alone and leave its peers waiting in the metadata all-gather."""
+    try:
+        return fn(arg)
+    except Exception as e:  # noqa: BLE001 - re-raised, with its type, as one the DP group shares
+        raise ValueError(f"{name} raised {type(e).__name__}: {e}") from e
 
 
-class _BridgeCost:
-    """What WindowExchanger reads of a cost model (counts, costs, the header's weights and ids), fed
-    with each micro-batch's image counts (from image_count_of) and, for a per-sample `cost_of`, its
-    costs. `_Source` registers them per micro-batch (keyed by its input_ids tensor) when it reads the
-    micro-batch; the exchanger asks for them, on the same thread, when it counts the window.
+class _ImageCounts:
+    """WindowExchanger's `image_counts` hook: micro-batch -> int64 [B/dp] images per sample.
 
-    Per-sample costs ride in the square-patches column of the metadata as float64 bit patterns, so
-    every rank plans from the very same bits; the placeholders column then holds each sample's patch
-    rows (merge size 1), which the exchanger checks against grid_thw where vision travels."""
+    With `image_count_of`, its values (a tensor or a sequence of B/dp integers). Without it,
+    upstream's fallback: exactly one image per sample where a vision dict travels, none where none
+    does. Where vision travels the counts must add up to grid_thw's images. Every check raises a
+    ValueError (shared with the DP group): a vision dict outside modality_inputs or a second one, a
+    wrong number of counts, counts that do not add up, an image_count_of that raises.
+    """
 
-    def __init__(self, model, per_sample: bool):
-        self.model, self.per_sample = model, per_sample
-        for name in ("encoder_weight", "language_weight", "encoder_quadratic_weight", "language_quadratic_weight",
-                     "encoder_image_weight", "image_token_id", "vision_start_token_id", "spatial_merge_size"):
-            setattr(self, name, getattr(model, name))
-        self._pending = {}  # id(input_ids) -> (image counts | None, patch rows | None, costs | None)
+    def __init__(self, image_count_of):
+        self.image_count_of = image_count_of
 
-    def register(self, input_ids, images, rows, costs) -> None:
-        self._pending[id(input_ids)] = (images, rows, costs)
+    def __call__(self, batch):
+        import numpy as np
+        import torch
 
-    def counts(self, input_ids, attention_mask, *, squares=None, grid_thw=None, grid=None):
+        b = batch["input_ids"].shape[0]  # the exchanger has checked input_ids before asking
+        vision = _vision_of(batch)
+        n_images = None if vision is None else vision["grid_thw"].shape[0]
+        if self.image_count_of is None:
+            if n_images is not None and n_images != b:
+                raise ValueError(f"Vision reorder without per-sample image counts expects one image per sample "
+                                 f"(n_images={n_images}, n_samples={b}); pass image_count_of for variable counts.")
+            return np.full(b, 0 if n_images is None else 1, dtype=np.int64)
+        got = _call(self.image_count_of, batch, "image_count_of")
+        counts = np.asarray(got.tolist() if isinstance(got, torch.Tensor) else list(got), dtype=np.int64)
+        if counts.shape != (b,):
+            raise ValueError(f"image_count_of returned {counts.size} counts for a micro-batch of {b} samples")
+        if n_images is not None and int(counts.sum()) != n_images:
+            raise ValueError(f"Per-sample image counts sum to {int(counts.sum())} but grid_thw has {n_images} "
+                             "images; image_count_of is likely mis-sourced (wrong token id / off-by-one).")
+        return counts
+
+
+class _PerSampleCosts:
+    """WindowExchanger's `sample_costs` hook for a `cost_of` that does not run vectorized:
+    micro-batch -> float64 [B/dp], `cost_of` called once per sample, in order, on upstream's
+    per-sample flat dict (`_sample_flats`: views, nothing copied or moved between devices).
+
+    The images of each sample (to hand it its own vision rows) come from `image_counts`, asked again
+    here so that this hook reads nothing but the micro-batch it is given. A cost_of that raises, or
+    returns something float() refuses, raises a ValueError / TypeError that the DP group shares; the
+    exchanger refuses non-finite and negative costs the same way.
+    """
+
+    def __init__(self, cost_of, image_counts: _ImageCounts):
+        self.cost_of, self.image_counts = cost_of, image_counts
+
+    def __call__(self, batch):
         import numpy as np
 
-        images, rows, costs = self._pending.pop(id(input_ids), (None, None, None))
-        if not self.per_sample:
-            out, grid_host = self.model.counts(input_ids, attention_mask, squares=False,
-                                               grid_thw=grid if grid_thw is None else grid_thw)
-            if images is not None:
-                out[2] = images
-            return out, grid_host
-        if costs is None:
-            raise ValueError("no per-sample costs were computed for this micro-batch (it did not come from the "
-                             "buffer's source)")
-        out = np.zeros((4, len(costs)), dtype=np.int64)
-        if rows is not None:
-            out[0] = rows
-        if images is not None:
-            out[2] = images
-        out[3] = np.ascontiguousarray(costs, dtype=np.float64).view(np.int64)
-        return out, None
-
-    def costs(self, placeholders, real_tokens, square_patches=None, images=None):
-        import numpy as np
-
-        if self.per_sample:
-            return np.ascontiguousarray(square_patches, dtype=np.int64).view(np.float64)
-        return self.model.costs(placeholders, real_tokens, None, images)
+        b = batch["input_ids"].shape[0]
+        cu = None
+        if _vision_of(batch) is not None:
+            cu = [0, *np.cumsum(self.image_counts(batch)).tolist()]
+        return np.array([float(_call(self.cost_of, flat, "cost_of")) for flat in _sample_flats(batch, b, cu)],
+                        dtype=np.float64)
 
 
 # ---- per-sample views (upstream's flat format) ------------------------------------------------
@@ -231,23 +247,26 @@ def _visual_dicts(obj, path=()):
             yield from _visual_dicts(v, path + (str(k),))
 
 
-def _image_offsets(counts, n_images: int, b: int):
-    """[0, c0, c0 + c1, ...] from per-sample image counts (None: one image per sample)."""
-    if counts is None:
-        if n_images != b:
-            raise ValueError(f"Vision reorder without per-sample image counts expects one image per sample "
-                             f"(n_images={n_images}, n_samples={b}); pass image_count_of for variable counts.")
-        return list(range(b + 1))
-    cu = [0]
-    for c in counts.tolist():
-        cu.append(cu[-1] + int(c))
-    if cu[-1] != n_images:
-        raise ValueError(f"Per-sample image counts sum to {cu[-1]} but grid_thw has {n_images} images; "
-                         "image_count_of is likely mis-sourced (wrong token id / off-by-one).")
-    return cu
+def _vision_of(batch):
+    """The micro-batch's one vision dict, or None where it carries none.
+
+    Raises ValueError for one outside modality_inputs (the exchanger would treat its tensors as
+    global metadata and not move them with their samples) or for more than one (one vision encoder
+    per batch is supported)."""
+    visuals = list(_visual_dicts(batch))
+    for path, _ in visuals:
+        if len(path) < 2 or path[0] != "modality_inputs":
+            where = "/".join(path) or "<root>"
+            raise ValueError(f"vision dict (hidden_states + grid_thw) at {where!r}: it must sit inside "
+                             "modality_inputs, e.g. modality_inputs['images'][encoder]")
+    if len(visuals) > 1:
+        raise ValueError(f"the micro-batch holds {len(visuals)} vision dicts "
+                         f"({', '.join('/'.join(p) for p, _ in visuals)}): one vision encoder per batch is supported")
+    return visuals[0][1] if visuals else None
 
 
 def _flatten(value, path: str, out: dict) -> None:
+    """Write the leaves of `value` into `out` under dotted keys that start with `path`."""
     if isinstance(value, dict):
         for k, v in value.items():
             _flatten(v, f"{path}.{k}" if path else str(k), out)
@@ -257,13 +276,15 @@ def _flatten(value, path: str, out: dict) -> None:
 
 def _sample_flats(batch: dict, b: int, cu_img) -> list:
     """b per-sample flat dicts in upstream's format: dotted keys; tensors keep their batch dim (size 1;
-    dim 1 for [3, B, S] position_ids); a sample's vision rows and grid_thw rows; lists of length b
-    as one-element lists; everything else as is. Views: nothing is copied."""
+    dim 1 for [3, B, S] position_ids); sample i's vision rows and grid_thw rows (its images are
+    cu_img[i]:cu_img[i + 1], needed only where a vision dict travels); lists of length b as
+    one-element lists; everything else as is. Views: nothing is copied."""
     import torch
 
     flats = [{} for _ in range(b)]
 
     def fill(d, prefix):
+        """Add the fields of (nested) dict `d`, keyed `prefix` + key, to every sample's flat dict."""
         for key, value in d.items():
             path = f"{prefix}{key}"
             if isinstance(value, torch.Tensor):
@@ -292,66 +313,6 @@ def _sample_flats(batch: dict, b: int, cu_img) -> list:
 
     fill(batch, "")
     return flats
-
-
-class _Source:
-    """This rank's micro-batch iterator, registering each micro-batch's image counts (and per-sample
-    costs, for a per-sample cost_of) with the cost adapter as it is read. Errors raised here (a bad
-    image_count_of, a cost_of that raises) reach the exchanger as data-source errors: every rank of
-    the DP group raises them together."""
-
-    def __init__(self, source, cost: _BridgeCost, cost_of, image_count, counts_from_model: bool):
-        self.source, self.cost, self.cost_of, self.image_count = source, cost, cost_of, image_count
-        self.counts_from_model = counts_from_model
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self.source)
-        self._register(batch)
-        return batch
-
-    def _register(self, batch) -> None:
-        import numpy as np
-        import torch
-
-        ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        if not isinstance(ids, torch.Tensor) or ids.dim() < 1:
-            return  # the exchanger refuses the micro-batch (input_ids is required on every rank)
-        b = ids.shape[0]
-        visuals = list(_visual_dicts(batch))
-        for path, _ in visuals:
-            if len(path) < 2 or path[0] != "modality_inputs":
-                where = "/".join(path) or "<root>"
-                raise ValueError(f"vision dict (hidden_states + grid_thw) at {where!r}: it must sit inside "
-                                 "modality_inputs, e.g. modality_inputs['images'][encoder]")
-        if len(visuals) > 1:
-            raise ValueError(f"the micro-batch holds {len(visuals)} vision dicts "
-                             f"({', '.join('/'.join(p) for p, _ in visuals)}): one vision encoder per batch is "
-                             "supported")
-        per_sample = self.cost.per_sample
-        counts = None
-        if self.image_count is not None and (per_sample or not self.counts_from_model):
-            got = self.image_count(batch)
-            counts = np.asarray(got.tolist() if isinstance(got, torch.Tensor) else list(got), dtype=np.int64)
-            if counts.shape != (b,):
-                raise ValueError(f"image_count_of returned {counts.size} counts for a micro-batch of {b} samples")
-        cu = rows = None
-        if visuals:
-            grid = visuals[0][1]["grid_thw"]
-            if self.image_count is None:  # upstream's fallback: exactly one image per sample
-                cu, counts = _image_offsets(None, grid.shape[0], b), np.ones(b, dtype=np.int64)
-            elif counts is not None:
-                cu = _image_offsets(counts, grid.shape[0], b)
-            # else: counted from the vision-start ids with the placeholders (checked by the exchanger)
-            if per_sample:
-                csum = np.concatenate([[0], np.cumsum(grid.to("cpu", torch.int64).prod(dim=1).numpy())])
-                rows = csum[cu[1:]] - csum[cu[:-1]]
-        costs = None
-        if per_sample:
-            costs = np.array([float(self.cost_of(f)) for f in _sample_flats(batch, b, cu)], dtype=np.float64)
-        self.cost.register(ids, counts, rows, costs)
 
 
 # ---- process groups ---------------------------------------------------------------------------
@@ -413,6 +374,7 @@ def _local_size(batch) -> int:
 
 
 def _is_collectives(obj) -> bool:
+    """True for one reorder `Collectives` object (all_gather + all_to_all), passed instead of groups."""
     return callable(getattr(obj, "all_gather", None)) and callable(getattr(obj, "all_to_all", None))
 
 
@@ -431,8 +393,9 @@ class ReorderingBuffer:
     Outputs are on the current CUDA device when dp_size > 1 and CUDA is available, else where the
     input lives.
 
-    cost_of: per-sample cost (see `sample_cost`; a partial of it is vectorized). image_count_of:
-    batch -> per-sample image counts (None: one image per sample where vision travels).
+    cost_of: flat per-sample dict -> cost, finite and >= 0 (see `sample_cost`; a partial of it runs
+    vectorized). image_count_of: batch -> B/dp per-sample image counts, adding up to grid_thw's images
+    where vision travels (None: one image per sample there).
     dp_group_gloo / dp_group_nccl: from `build_module_dp_process_groups` (or one reorder
     `Collectives` object passed as both). balancer (an addition): "lpt" (default, upstream's plan
     bit for bit) or "balanced" / "identity".
@@ -459,17 +422,14 @@ class ReorderingBuffer:
         plan_orders(np.zeros((1, n_groups)), n_groups, balancer)  # an unknown balancer raises here
         model = _vectorized_cost(cost_of)
         self._vectorized = model is not None
-        start = _vision_start_of(image_count_of)
-        if model is None:
-            model = CostModel(encoder_weight=1.0, spatial_merge_size=1, image_token_id=-1,
-                              vision_start_token_id=QWEN35_VISION_START_TOKEN_ID if start is None else start)
-        elif start is not None:
-            model = CostModel(encoder_weight=model.encoder_weight, language_weight=model.language_weight,
-                              image_token_id=model.image_token_id, spatial_merge_size=model.spatial_merge_size,
-                              vision_start_token_id=start)
-        self._cost = _BridgeCost(model, per_sample=not self._vectorized)
-        self._source = _Source(iter(data_iterator), self._cost, cost_of, image_count_of,
-                               counts_from_model=start is not None)
+        image_counts = _ImageCounts(image_count_of)
+        # Every rank of a DP group builds the same hooks from the same arguments, so the config frame
+        # (given_costs, given_image_counts) agrees. Image counts always come from the hook: upstream's
+        # image_count_of, or its one-image-per-sample fallback. With per-sample costs the cost model
+        # only counts (the plan reads the given costs), so its defaults are as good as any.
+        self._hooks = dict(cost=model if self._vectorized else CostModel(), image_counts=image_counts,
+                           sample_costs=None if self._vectorized else _PerSampleCosts(cost_of, image_counts))
+        self._data = iter(data_iterator)
         self._groups = (dp_group_gloo, dp_group_nccl)
         self._window_size, self._balancer = window_size, balancer
         self._device = _output_device(dp_size)
@@ -489,12 +449,14 @@ class ReorderingBuffer:
 
     @property
     def last_report(self):
+        """The latest window's WindowReport, None before the first."""
         return None if self._inner is None else self._inner.last_report
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        """The next reordered micro-batch; StopIteration once the source is exhausted."""
         if self._inner is None:
             if self._ended:
                 raise StopIteration
@@ -504,14 +466,15 @@ class ReorderingBuffer:
         return next(self._inner)
 
     def _start(self) -> None:
-        """Build the exchanger once the first micro-batch gives B = local size x dp_size."""
+        """Build the exchanger once the first micro-batch gives B = local size x dp_size (upstream
+        takes B from the data too); an empty source ends the buffer instead."""
         import itertools
 
         from reorder import ReorderingBuffer as _Buffer
         from reorder import WindowExchanger
 
         try:
-            first = next(self._source.source)
+            first = next(self._data)
         except StopIteration:
             self._ended = True
             return
@@ -528,14 +491,16 @@ class ReorderingBuffer:
             else:
                 from reorder.exchange.dist import TorchCollectives
 
+                # metadata over Gloo, on the host. spin 0 on the overlap thread: a busy poll there
+                # would hold the GIL the training thread needs; a synchronous exchange polls 0.2 ms
+                # first for the lowest latency
                 collectives = TorchCollectives(gloo, data, meta_on_device=False,
                                                spin=0.0 if self._overlap else 2e-4)
-        ex = WindowExchanger(grid=grid, micro_batch_size=global_batch, cost=self._cost, balancer=self._balancer,
+        ex = WindowExchanger(grid=grid, micro_batch_size=global_batch, balancer=self._balancer,
                              window_size=self._window_size, collectives=collectives,
                              device=self._device if grid.dp > 1 else None,
-                             early_copy=not self._overlap and grid.dp > 1)
-        self._source.source = itertools.chain([first], self._source.source)
-        self._inner = _Buffer(self._source, ex, overlap=self._overlap)
+                             early_copy=not self._overlap and grid.dp > 1, **self._hooks)
+        self._inner = _Buffer(itertools.chain([first], self._data), ex, overlap=self._overlap)
 
     def shutdown(self) -> None:
         """Stop the overlap worker (if any) and wait briefly for it to exit."""
