@@ -27,6 +27,8 @@ for case in source_raises bad_input early_end; do
       --timeout 60
 done
 run dp1_cuda python3 functional_tests/dp1_cuda.py --device cuda
+run executors_cuda python3 functional_tests/executors_cuda.py
+run bridge_cuda $TR functional_tests/bridge_cuda.py --device cuda
 run cdmc1_overlap_refused env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -c "
 import torch
 from reorder.runtime.buffer import check_overlap_allowed
