@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import times_ms  # noqa: E402
 from reorder.plan.balancers import balanced, exact, identity, lower_bound, lpt  # noqa: E402
 
 BALANCERS = {"identity": identity, "lpt": lpt, "balanced": balanced}
@@ -57,15 +58,6 @@ def max_load(c, order, groups):
 def moved_fraction(order, groups):
     m = len(order) // groups
     return float((order.reshape(groups, m) // m != np.arange(groups)[:, None]).mean())
-
-
-def timed(fn, c, groups, reps):
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn(c, groups)
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def optimum(c, groups, best, args):
@@ -182,7 +174,7 @@ def main(argv=None):
                     for name, fn in BALANCERS.items():
                         order = fn(c, g)
                         reps = args.big_reps if (g, m) == (64, 16) else args.reps
-                        times[name].setdefault((g, m), []).extend(timed(fn, c, g, reps))
+                        times[name].setdefault((g, m), []).extend(times_ms(lambda: fn(c, g), reps))
                         row[name] = {"max": max_load(c, order, g), "moved": moved_fraction(order, g)}
                     best = min(row[name]["max"] for name in BALANCERS)
                     row["opt"], row["proven"] = optimum(c, g, best, args)

@@ -22,7 +22,6 @@ Without a GPU it runs on CPU/Gloo as a smoke test.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import time
 
@@ -32,11 +31,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bench.common import init_torchrun, synchronizer
 from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
 from reorder.integrations.calibrate import fit_cost_weights
 from reorder.exchange.dist import build_groups
+from reorder.integrations.megatron import select_fields
 
 
 class Block(nn.Module):
@@ -117,13 +118,9 @@ def main():
     p.add_argument("--gate-backoff", type=int, default=8, help="gate_backoff of the +backoff modes")
     p.add_argument("--json")
     args = p.parse_args()
-    cuda = torch.cuda.is_available()  # without a GPU: a CPU/Gloo smoke run of the same code
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
-    me, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", me) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    me, world, dev = init_torchrun()  # without a GPU: a CPU/Gloo smoke run of the same code
+    cuda = dev.type == "cuda"
+    sync = synchronizer(dev)
     groups = build_groups({"vision": [list(range(world))]}, overlap=True)
     torch.manual_seed(0)
     model = Encoder(1176, args.dim, 16, args.layers).to(dev, torch.bfloat16 if cuda else torch.float32)
@@ -133,7 +130,7 @@ def main():
     globals_ = [syn.make_global_batch(rng, B, 4096, features=1176, mix=args.mix, first_id=k * B, scale=1.0)
                 for k in range(n)]
     pin = syn.pin if cuda else (lambda b: b)
-    shares = [pin(syn.module_view(syn.rank_share(g, world, me), syn.VISION_FIELDS)) for g in globals_]
+    shares = [pin(select_fields(syn.rank_share(g, world, me), syn.VISION_FIELDS)) for g in globals_]
     cost = CostModel()
 
     compute = []  # calibration: (patches, sum of per-image patches^2, images, ms) of this rank's steps

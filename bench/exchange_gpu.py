@@ -7,7 +7,7 @@ Prints a table on rank 0 and writes JSON (--json)."""
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import json
 import time
 
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bench.common import Count, init_torchrun, median_ms, synchronizer
 from reorder import CostModel, WindowExchanger
 
 from reorder.batch.blocks import take
@@ -27,27 +28,13 @@ from reorder.plan.counts import COLUMNS
 from reorder.batch.layout import grid_of, tensors
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, reps):
-    ts = []
-    for _ in range(reps):
-        _sync()
-        t = time.perf_counter()
-        fn()
-        _sync()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(ts))
+_sync = synchronizer()  # the current GPU's, when there is one
+timed = functools.partial(median_ms, sync=_sync)  # median ms of synchronized calls
 
 
 def host_costs(dev, exchange_once):
     """What one exchange costs the host CPU: aten ops it dispatches (counted once) and the time of a
     view op, of a kernel launch (no sync) and of a small numpy op on this machine, in microseconds."""
-    from exchange_host import Count  # bench/ is on sys.path when this runs as a script
-
     with Count() as c:
         exchange_once()
     x = torch.zeros(64, 8, device=dev)
@@ -114,12 +101,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="cProfile 20 synchronous exchanges from pinned host")
     p.add_argument("--json")
     args = p.parse_args()
-    cuda = torch.cuda.is_available()  # without a GPU: a CPU/Gloo smoke run of the same code (tests)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
-    me, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", me) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
+    me, world, dev = init_torchrun()  # without a GPU: a CPU/Gloo smoke run of the same code (tests)
+    cuda = dev.type == "cuda"
     pin = syn.pin if cuda else (lambda b: b)
     S, F = args.seq_len, args.features
     groups = build_groups({"language": [list(range(world))]}, overlap=True)

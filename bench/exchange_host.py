@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.common import Count
 from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.exchange.collectives import run_emulated
@@ -58,18 +58,6 @@ class Record:
     def all_to_all(self, send, send_splits, recv_splits):
         self.results.append(self.inner.all_to_all(send, send_splits, recv_splits))
         return self.results[-1]
-
-
-class Count(TorchDispatchMode):
-    """Counts the aten ops dispatched inside its `with` block (`ops`: op name -> calls)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main():

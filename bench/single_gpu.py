@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import Count, median_ms, synchronizer  # noqa: E402
 from reorder import CostModel, Grid, WindowExchanger  # noqa: E402
 from reorder.cli import synthetic as syn  # noqa: E402
 from reorder.plan.counts import SampleCounts  # noqa: E402
@@ -39,30 +39,6 @@ from reorder.plan.moves import ByteField, build_moves  # noqa: E402
 from reorder.plan.window import PlanSettings, plan_window  # noqa: E402
 
 COST = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
-
-
-class Count(TorchDispatchMode):
-    """Counts the aten ops dispatched inside its `with` block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def median_ms(fn, reps: int, sync) -> float:
-    fn()
-    sync()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        out.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(out))
 
 
 def permuted_batches(mb, seq, features, mix, count=8):
@@ -77,16 +53,16 @@ def permuted_batches(mb, seq, features, mix, count=8):
 
 
 def dp1(args, dev) -> dict:
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = synchronizer(dev)
     host = permuted_batches(args.micro_batch, args.seq_len, args.features, args.mix)
     pinned = [syn.pin(g) for g in host] if dev.type == "cuda" else host
     resident = [syn.to_device(g, dev) for g in host]
     ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
     k = iter(range(10**9))
-    res = dict(dp1_exchange_ms=median_ms(lambda: ex.exchange([pinned[next(k) % 8]]), args.reps, sync),
+    res = dict(dp1_exchange_ms=median_ms(lambda: ex.exchange([pinned[next(k) % 8]]), args.reps, sync, warmup=1),
                to_device_ms=median_ms(lambda: syn.to_device(pinned[next(k) % 8], dev, non_blocking=True),
-                                      args.reps, sync),
-               dp1_perm_ms_mb4=median_ms(lambda: ex.exchange([resident[next(k) % 8]]), args.reps, sync))
+                                      args.reps, sync, warmup=1),
+               dp1_perm_ms_mb4=median_ms(lambda: ex.exchange([resident[next(k) % 8]]), args.reps, sync, warmup=1))
     res["dp1_over_to_device_ms"] = res["dp1_exchange_ms"] - res["to_device_ms"]
     sync()
     host_ms = []
@@ -136,9 +112,9 @@ def planning(sizes, reps) -> dict:
         grid = Grid(groups=groups, dp=groups, rank=groups // 2)
         plan = plan_window(counts, COST, grid, PlanSettings())
         out[f"plan_ms_{batch}x{groups}"] = median_ms(lambda: plan_window(counts, COST, grid, PlanSettings()), reps,
-                                                     lambda: None)
+                                                     warmup=1)
         out[f"moves_ms_{batch}x{groups}"] = median_ms(lambda: build_moves(fields, counts, plan, grid.rank), reps,
-                                                      lambda: None)
+                                                      warmup=1)
     return out
 
 

@@ -13,33 +13,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 import torch
 
+from bench.common import median_ms, synchronizer
 from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.plan.grid import Grid
 from reorder.batch.layout import tensors
 from reorder.batch.blocks import resolved
 from spec.samples import per_sample_bytes
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _ms(fn, dev, reps):
-    ts = []
-    for _ in range(reps):
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        ts.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(ts))
 
 
 def main():
@@ -51,6 +35,7 @@ def main():
     p.add_argument("--reps", type=int, default=16)
     args = p.parse_args()
     dev = torch.device(args.device)
+    sync = synchronizer(dev)
     pin = syn.pin if dev.type == "cuda" else (lambda b: b)
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
     bad, checked, timings = [], 0, {}
@@ -78,9 +63,9 @@ def main():
                     bad.append(f"mb {mb} batch {k} {name}: a tensor is not on {target}")
         ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev)
         k = iter(range(10**9))
-        timings[f"mb{mb}_from_pinned_ms"] = _ms(lambda: ex.exchange([pinned[next(k) % 4]]), dev, args.reps)
-        timings[f"mb{mb}_to_device_ms"] = _ms(lambda: syn.to_device(pinned[next(k) % 4], dev, non_blocking=True),
-                                              dev, args.reps)
+        timings[f"mb{mb}_from_pinned_ms"] = median_ms(lambda: ex.exchange([pinned[next(k) % 4]]), args.reps, sync)
+        timings[f"mb{mb}_to_device_ms"] = median_ms(lambda: syn.to_device(pinned[next(k) % 4], dev, non_blocking=True),
+                                                    args.reps, sync)
     ok = not bad and checked == 24
     print("RESULT", dict(ok=ok, checked=checked, mismatches=bad, **{k: round(v, 3) for k, v in timings.items()}))
     sys.exit(0 if ok else 1)

@@ -29,13 +29,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bench.common import init_torchrun
 from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
-from reorder.runtime.buffer import ReorderingBuffer
 from reorder.exchange.dist import build_groups
-from support.checks import check_rank
-from support.harness import module_fields
-from spec import invariants as inv
+from reorder.integrations.megatron import select_fields
+from reorder.plan.grid import canonical_grid
+from reorder.runtime.buffer import ReorderingBuffer
+from support import checks
+from support.harness import module_costs, module_fields
 from spec import reference as ref
 
 CASES = ("ok", "source_raises", "bad_input", "lost_peer", "early_end")
@@ -62,7 +64,7 @@ def rank_source(args, module, dp, rank, device):
             raise OSError(f"disk read failed at micro-batch {k}")
         if args.case == "early_end" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             return
-        share = syn.module_view(syn.rank_share(g, dp, rank), fields)
+        share = select_fields(syn.rank_share(g, dp, rank), fields)
         if device is not None and k % 2:  # half the micro-batches in pinned host memory (asynchronous copies)
             share = syn.pin(share)
         if args.case == "bad_input" and k == args.fault_at and module == faulty_module(args) and rank == 0:
@@ -121,7 +123,7 @@ def run(args) -> dict:
             assert seen_error is not None and elapsed < args.timeout * 3, (seen_error, elapsed)
         return dict(case="lost_peer", error=summary["error"], elapsed=elapsed)
     if args.case == "ok" and seen_error is None:
-        check_own(args, module, grid, outs, buf, cost)
+        check_own(args, module, grid, outs, cost)
     everyone = [None] * world
     dist.all_gather_object(everyone, summary)
     return check_world(args, everyone)
@@ -145,17 +147,15 @@ def bridge(mb, module, rank, dv, dl):
                              f"{got.tolist()}, this rank holds {ids.tolist()}")
 
 
-def check_own(args, module, grid, outs, buf, cost):
+def check_own(args, module, grid, outs, cost):
     """I3-I5 on this rank: held samples are the canonical positions of the reference plan, byte-exact."""
     fields = module_fields(module, cost)
-    k = 0
-    for g in global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features):
-        counts = cost.token_counts(g["input_ids"], g["attention_mask"])
-        costs = cost.costs(counts[0].numpy(), counts[1].numpy())
-        order = ref.lpt_order([float(c) for c in costs], grid.groups) if args.balancer == "lpt" else None
-        check_rank(g, outs[k], order, grid.dp, grid.rank, fields=fields, vision_start_token_id=syn.VISION_START)
-        k += 1
-    assert k == len(outs), f"rank served {len(outs)} micro-batches, source had {k}"
+    batches = list(global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features))
+    costs = module_costs(batches, module, cost)
+    for k, g in enumerate(batches):
+        order = ref.lpt_order([float(c) for c in costs[k]], grid.groups) if args.balancer == "lpt" else None
+        checks.check_rank(g, outs[k], order, grid.dp, grid.rank, fields=fields, vision_start_token_id=syn.VISION_START)
+    assert len(batches) == len(outs), f"rank served {len(outs)} micro-batches, source had {len(batches)}"
 
 
 def check_world(args, everyone) -> dict:
@@ -171,21 +171,17 @@ def check_world(args, everyone) -> dict:
             assert msgs.pop().startswith("ReorderError"), errors
         return dict(case=args.case, errors=sorted({s["error"] for s in alive}))
     assert not any(errors), errors
-    vision = [s for s in everyone if s["module"] == "vision"]
-    language = [s for s in everyone if s["module"] == "language"]
     n = everyone[0]["n"]
     assert n == args.micro_batches and all(s["n"] == n for s in everyone), [s["n"] for s in everyone]
-    for k in range(n):
-        if not vision:
-            continue
-        if dl % dv == 0:
-            inv.i4_bridge_alignment([s["ids"][k] for s in vision], [s["ids"][k] for s in language])
-        # both modules hold the same canonical order, cut at their own rank boundaries
-        inv.i8_deterministic([[i for s in vision for i in s["ids"][k]], [i for s in language for i in s["ids"][k]]])
-        inv.i6_nothing_lost([list(range(k * args.micro_batch, (k + 1) * args.micro_batch))],
-                            [[i for s in language for i in s["ids"][k]]])
-    for w in range(len(everyone[0]["orders"])):
-        inv.i8_deterministic([s["orders"][w] for s in everyone])  # I2: every rank of both modules
+    # I1-I8 from every rank's sample ids and orders (one row per micro-batch), against the natural stream
+    dps = {m: d for m, d in (("vision", dv), ("language", dl)) if d}
+    ranks = {m: sorted((s for s in everyone if s["module"] == m), key=lambda s: s["dp_rank"]) for m in dps}
+    batches = list(global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features))
+    cost = CostModel(language_weight=args.language_weight)
+    checks.check_world(batches, {m: [s["ids"] for s in rs] for m, rs in ranks.items()},
+                       {m: [[row for window in s["orders"] for row in window] for s in rs] for m, rs in ranks.items()},
+                       {m: module_costs(batches, m, cost) for m in dps}, dps, groups=canonical_grid(list(dps.values())),
+                       balancer=args.balancer)
     return dict(case="ok", micro_batches=n, max_elapsed_s=max(s["elapsed"] for s in everyone))
 
 
@@ -235,8 +231,7 @@ def launch(argv, world: int, timeout: float = 300.0) -> dict:
 def main():
     args = parse()
     print(f"gloo_suite rank {os.environ.get('RANK')} pid {os.getpid()}", flush=True)
-    dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl",
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    init_torchrun(cuda=args.device == "cuda", timeout=datetime.timedelta(seconds=args.timeout))
     result = run(args)
     if dist.get_rank() == 0:
         print("RESULT", result, flush=True)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.common import init_torchrun  # noqa: E402
 from reorder.integrations import megatron as rm  # noqa: E402
 from reorder.cli import synthetic as syn  # noqa: E402
 from reorder.integrations.config import ReorderConfig  # noqa: E402
@@ -751,11 +752,8 @@ def main(argv=None):
         sys.exit(summarize(argv[1]))
     args = parse(argv)
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(minutes=5))
-    else:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    init_torchrun(cuda=args.device == "cuda")
     t0 = time.time()
     try:
         if args.test == "noncoloc":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from reorder.integrations.megatron import select_fields
 from spec import invariants as inv
 from spec import reference as ref
 from spec.samples import per_sample_bytes
@@ -27,7 +28,7 @@ def check_rank(global_batch, got, order, dp, rank, *, vision_start_token_id, fie
         if held != want:
             raise inv.InvariantViolation(f"I4 violated: rank {rank} holds {held}, canonical positions "
                                          f"[{rank * b},{(rank + 1) * b}) are {want}")
-    sent = dict(zip(gids, per_sample_bytes(_select(global_batch, fields), vision_start_token_id=vision_start_token_id)))
+    sent = dict(zip(gids, per_sample_bytes(select_fields(global_batch, fields), vision_start_token_id=vision_start_token_id)))
     inv.i5_byte_exact(sent, dict(zip(held, per_sample_bytes(_to_host(got), vision_start_token_id=vision_start_token_id))))
 
 
@@ -54,10 +55,6 @@ def _to_host(batch):
     return batch.cpu() if hasattr(batch, "cpu") else batch
 
 
-def _select(batch, fields):
-    return batch if fields is None else {k: v for k, v in batch.items() if k in fields}
-
-
 def check_modules(global_batches, held_ids, orders_seen, costs_by_module, dp_by_module, *, groups, balancer):
     """I1, I2, I4 (bridge alignment) and I8 across modules.
 
@@ -79,3 +76,25 @@ def check_modules(global_batches, held_ids, orders_seen, costs_by_module, dp_by_
                 if dp_by_module[a] < dp_by_module[b] and dp_by_module[b] % dp_by_module[a] == 0:
                     inv.i4_bridge_alignment([held_ids[a][r][s] for r in range(dp_by_module[a])],
                                             [held_ids[b][r][s] for r in range(dp_by_module[b])])
+
+
+def check_module_ids(global_batches, held_ids, orders, dp, *, groups):
+    """I3, I4, I6 and I7 for one module from sample ids alone: held_ids[rank][slot] after the
+    exchange, orders[slot] the canonical order the module used."""
+    before = [ids_of(g) for g in global_batches]
+    for s, gids in enumerate(before):
+        held = [held_ids[r][s] for r in range(dp)]
+        inv.i3_equal_count(list(orders[s]), groups, len(gids), held, dp)
+        inv.i4_canonical_reassembly([gids[i] for i in orders[s]], len(gids), dp, held)
+    after = [[i for r in range(dp) for i in held_ids[r][s]] for s in range(len(before))]
+    inv.i6_nothing_lost(before, after)
+    inv.i7_no_cross_slot(before, after)
+
+
+def check_world(global_batches, held_ids, orders_seen, costs_by_module, dp_by_module, *, groups, balancer):
+    """Every invariant that sample ids, orders and costs show, across modules (`check_modules`) and
+    within each (`check_module_ids`); arguments as `check_modules`'."""
+    check_modules(global_batches, held_ids, orders_seen, costs_by_module, dp_by_module, groups=groups,
+                  balancer=balancer)
+    for m, d in dp_by_module.items():
+        check_module_ids(global_batches, held_ids[m], np.asarray(orders_seen[m][0]), d, groups=groups)

@@ -10,8 +10,9 @@ import numpy as np
 from support import checks
 from reorder.cli import synthetic as syn
 from reorder.exchange.collectives import run_emulated
-from reorder.plan.cost import CostModel
 from reorder.exchange.exchanger import WindowExchanger
+from reorder.integrations.megatron import select_fields
+from reorder.plan.cost import CostModel
 from reorder.plan.grid import Grid, canonical_grid
 
 MODULE_FIELDS = {"vision": syn.VISION_FIELDS, "language": syn.LANGUAGE_FIELDS}
@@ -23,6 +24,18 @@ def module_fields(name: str, cost: CostModel):
     if fields is not None and cost.language_weight > 0:
         fields = tuple(fields) + ("attention_mask",)
     return fields
+
+
+def module_costs(global_batches, name: str, cost: CostModel) -> np.ndarray:
+    """float64 [W, B]: the costs of the natural global micro-batches, computed from the fields module
+    `name`'s ranks load (I1 compares them across modules; a module without its own list loads all)."""
+    fields = module_fields(name, cost) or ("input_ids", "attention_mask")
+    rows = []
+    for g in global_batches:
+        counts = cost.token_counts(g["input_ids"], g["attention_mask"] if "attention_mask" in fields else None)
+        sq = cost.square_patches(g["input_ids"]).numpy() if cost.encoder_quadratic_weight else None
+        rows.append(cost.costs(counts[0].numpy(), counts[1].numpy(), sq, counts[2].numpy()))
+    return np.stack(rows)
 
 
 @dataclass
@@ -48,7 +61,7 @@ def run_window(global_batches, dp_by_module: dict, *, cost: CostModel, balancer:
                                  collectives=coll if dp > 1 else None, batch_dims=batch_dims,
                                  **(exchanger_kwargs or {}))
             mine = [syn.rank_share(g, dp, r) for g in global_batches]
-            return ex.exchange([mine_s if fields is None else syn.module_view(mine_s, fields) for mine_s in mine])
+            return ex.exchange([select_fields(mine_s, fields) for mine_s in mine])
 
         res = run_emulated(dp, rank_fn)
         out[name] = ModuleResult(dp, [o for o, _ in res], [rep for _, rep in res])
@@ -64,14 +77,6 @@ def check_window(global_batches, results: dict, *, cost: CostModel, balancer: st
                             vision_start_token_id=vision_start_token_id, fields=module_fields(name, cost))
     held = {m: [[checks.ids_of(res.outputs[r][s]) for s in range(len(global_batches))] for r in range(res.dp)]
             for m, res in results.items()}
-    costs = {}
-    for name in results:
-        fields = module_fields(name, cost) or ("input_ids", "attention_mask")
-        rows = []
-        for g in global_batches:
-            counts = cost.token_counts(g["input_ids"], g["attention_mask"] if "attention_mask" in fields else None)
-            sq = cost.square_patches(g["input_ids"]).numpy() if cost.encoder_quadratic_weight else None
-            rows.append(cost.costs(counts[0].numpy(), counts[1].numpy(), sq, counts[2].numpy()))
-        costs[name] = np.stack(rows)
+    costs = {name: module_costs(global_batches, name, cost) for name in results}
     checks.check_modules(global_batches, held, {m: [rep.orders for rep in res.reports] for m, res in results.items()},
                          costs, dps, groups=groups, balancer=balancer)

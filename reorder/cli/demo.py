@@ -22,6 +22,7 @@ from collections import deque
 import numpy as np
 
 from reorder.cli.common import CliError, check_plot_path, human_stream, make_plot, plural, worse_note, write_json
+from reorder.plan.window import spreads
 
 MODULES = ("vision", "language")
 
@@ -107,35 +108,6 @@ def _stream(cfg: dict):
                                     first_id=k * B)
 
 
-def _module_costs(global_batches, module: str, cost) -> np.ndarray:
-    """[W, B] costs computed from the fields `module`'s ranks load (I1 compares them across modules)."""
-    from support.harness import module_fields
-
-    fields = module_fields(module, cost) or ("input_ids", "attention_mask")
-    rows = []
-    for g in global_batches:
-        counts = cost.token_counts(g["input_ids"], g["attention_mask"] if "attention_mask" in fields else None)
-        rows.append(cost.costs(counts[0].numpy(), counts[1].numpy()))
-    return np.stack(rows)
-
-
-def _check_world(global_batches, held, orders, costs, dps, *, groups, balancer):
-    """Cross-module invariants on sample ids: held[m][rank][slot], orders[m][rank] [W, B]."""
-    from support import checks
-    from spec import invariants as inv
-
-    checks.check_modules(global_batches, held, orders, costs, dps, groups=groups, balancer=balancer)
-    before = [g["sample_id"].tolist() for g in global_batches]
-    for m, d in dps.items():
-        after = [[i for r in range(d) for i in held[m][r][s]] for s in range(len(global_batches))]
-        for s, gids in enumerate(before):
-            inv.i3_equal_count(list(orders[m][0][s]), groups, len(gids), [held[m][r][s] for r in range(d)], d)
-            inv.i4_canonical_reassembly([gids[i] for i in orders[m][0][s]], len(gids), d,
-                                        [held[m][r][s] for r in range(d)])
-        inv.i6_nothing_lost(before, after)
-        inv.i7_no_cross_slot(before, after)
-
-
 def _record(module_reports: dict, wait_ms: dict | None = None) -> dict:
     """One window's module-wide figures: module -> list of WindowReports of its ranks."""
     rec = {}
@@ -152,15 +124,9 @@ def _progress_line(k: int, n: int, t0: float, rec: dict) -> str:
     parts = []
     for m, r in rec.items():
         lb, la = np.asarray(r["loads_before"]), np.asarray(r["loads_after"])
-        parts.append(f"{m} spread {_spreads(lb).mean():.2f}->{_spreads(la).mean():.2f}, moved "
+        parts.append(f"{m} spread {spreads(lb).mean():.2f}->{spreads(la).mean():.2f}, moved "
                      f"{r['moved_samples']}/{r['total_samples']} ({r['moved_bytes'] / 2**20:.1f} MiB)")
     return f"  window {k + 1:{len(str(n))}d}/{n} {time.perf_counter() - t0:5.1f} s  I1-I8 ok | " + " | ".join(parts)
-
-
-def _spreads(loads: np.ndarray) -> np.ndarray:
-    """[W] max/mean per micro-batch (1 where the micro-batch costs nothing)."""
-    mean = loads.mean(axis=1)
-    return np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
 
 
 # ---- real processes ------------------------------------------------------------------------------
@@ -174,6 +140,7 @@ class _DemoRank:
         from reorder.cli import synthetic as syn
         from reorder.exchange.dist import build_groups
         from reorder.exchange.exchanger import WindowExchanger
+        from reorder.integrations.megatron import select_fields
         from reorder.runtime.buffer import ReorderingBuffer
         from support.harness import module_fields
 
@@ -193,7 +160,7 @@ class _DemoRank:
         def source():
             for g in _stream(cfg):
                 self.pending.append(g)
-                yield syn.module_view(syn.rank_share(g, self.grid.dp, self.grid.rank), self.fields)
+                yield select_fields(syn.rank_share(g, self.grid.dp, self.grid.rank), self.fields)
 
         self.buf = ReorderingBuffer(source(), ex, overlap=cfg["overlap"])
 
@@ -230,11 +197,14 @@ class _DemoRank:
         errors = [e["error"] for ranks in by_module.values() for e in ranks if e["error"]]
         if errors:
             return errors
+        from support import checks
+        from support.harness import module_costs
+
         try:
-            _check_world(window, {m: [e["ids"] for e in ranks] for m, ranks in by_module.items()},
-                         {m: [np.asarray(e["orders"]) for e in ranks] for m, ranks in by_module.items()},
-                         {m: _module_costs(window, m, self.cost) for m in self.dps}, self.dps,
-                         groups=self.grid.groups, balancer=self.cfg["balancer"])
+            checks.check_world(window, {m: [e["ids"] for e in ranks] for m, ranks in by_module.items()},
+                               {m: [np.asarray(e["orders"]) for e in ranks] for m, ranks in by_module.items()},
+                               {m: module_costs(window, m, self.cost) for m in self.dps}, self.dps,
+                               groups=self.grid.groups, balancer=self.cfg["balancer"])
         except Exception as e:  # noqa: BLE001 - every rank reaches the same verdict on the same data
             return [f"{type(e).__name__}: {e}"]
         return []
@@ -330,7 +300,7 @@ def summarize(records: list, dps: dict) -> dict:
         out[m] = dict(dp=d, loads_before=lb.sum(axis=0).tolist(), loads_after=la.sum(axis=0).tolist(),
                       straggler_before=before, straggler_after=after,
                       saved=1 - after / before if before else 0.0,
-                      spread_before=float(_spreads(lb).mean()), spread_after=float(_spreads(la).mean()),
+                      spread_before=float(spreads(lb).mean()), spread_after=float(spreads(la).mean()),
                       moved_samples=int(sum(r[m]["moved_samples"] for r in records)),
                       samples=int(sum(r[m]["total_samples"] for r in records)),
                       moved_bytes=int(sum(r[m]["moved_bytes"] for r in records)),

@@ -24,6 +24,7 @@ import numpy as np
 
 from reorder.cli.common import (CliError, check_plot_path, human_stream, layout_from_args, make_plot, plural,
                                 worse_note, write_json)
+from reorder.plan.window import inverse, spreads
 
 DESCRIPTION = """\
 Replay per-sample costs micro-batch by micro-batch and report, per balancer and module, the predicted
@@ -362,11 +363,8 @@ CHUNK = 256  # micro-batches planned between two updates of the progress bar
 
 def orders_moved(orders: np.ndarray, dp: int) -> np.ndarray:
     """bool [M, B]: natural sample j changes rank in a module of DP size dp."""
-    w, batch = orders.shape
-    b = batch // dp
-    pos = np.empty_like(orders)
-    pos[np.arange(w)[:, None], orders] = np.arange(batch)[None, :]
-    return (pos // b) != (np.arange(batch) // b)[None, :]
+    b = orders.shape[1] // dp
+    return (inverse(orders) // b) != (np.arange(orders.shape[1]) // b)[None, :]
 
 
 def _bound(costs: np.ndarray, d: int, tick=None) -> np.ndarray:
@@ -391,11 +389,6 @@ def _bound(costs: np.ndarray, d: int, tick=None) -> np.ndarray:
     return np.maximum(simple, out)
 
 
-def _spreads(loads: np.ndarray) -> np.ndarray:
-    mean = loads.mean(axis=1)
-    return np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
-
-
 def replay(costs: np.ndarray, dps: dict, micro_batch: int, balancers: list, tick=None) -> dict:
     """Every balancer on costs [M, B] (one row per global micro-batch) for each module's DP size.
     Planning time per micro-batch is measured after one untimed first call of each balancer (its
@@ -406,7 +399,7 @@ def replay(costs: np.ndarray, dps: dict, micro_batch: int, balancers: list, tick
 
     groups = canonical_grid(list(dps.values()))
     before = {m: rank_loads(costs, None, d) for m, d in dps.items()}
-    res = dict(groups=groups, balancers={}, bound={}, spreads={m: {"before": _spreads(before[m])} for m in dps})
+    res = dict(groups=groups, balancers={}, bound={}, spreads={m: {"before": spreads(before[m])} for m in dps})
     for m, d in dps.items():
         strag, bound = before[m].max(axis=1).sum(), _bound(costs, d, tick).sum()
         res["bound"][m] = dict(straggler=float(bound), saved=float(1 - bound / strag) if strag else 0.0)
@@ -426,7 +419,7 @@ def replay(costs: np.ndarray, dps: dict, micro_batch: int, balancers: list, tick
         for m, d in dps.items():
             after = rank_loads(costs, orders, d)
             sb, sa = float(before[m].max(axis=1).sum()), float(after.max(axis=1).sum())
-            sp_b, sp_a = res["spreads"][m]["before"], _spreads(after)
+            sp_b, sp_a = res["spreads"][m]["before"], spreads(after)
             res["spreads"][m][name] = sp_a
             rows[m] = dict(dp=d, straggler_before=sb, straggler_after=sa, saved=1 - sa / sb if sb else 0.0,
                            spread_before=float(sp_b.mean()), spread_after=float(sp_a.mean()),

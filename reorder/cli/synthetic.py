@@ -83,11 +83,6 @@ VISION_FIELDS = ("input_ids", "position_ids", "sample_id", "modality_inputs")
 LANGUAGE_FIELDS = ("input_ids", "labels", "loss_mask", "attention_mask", "position_ids", "sample_id")
 
 
-def module_view(batch: dict, fields) -> dict:
-    """The fields a module's rank loads (vision ranks carry the images, language ranks the text)."""
-    return {k: v for k, v in batch.items() if k in fields}
-
-
 def take_samples(batch: dict, index, *, vision_start_token_id: int = VISION_START) -> dict:
     """A micro-batch holding samples `index` of `batch` (vision rows follow their samples)."""
     layout, shard = describe(batch, batch["input_ids"].shape[0], vision_start_token_id=vision_start_token_id)

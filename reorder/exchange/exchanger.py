@@ -26,7 +26,7 @@ from reorder.plan.cost import CostModel
 from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.grid import Grid, check_global_batch
 from reorder.plan.moves import build_moves
-from reorder.plan.window import PlanSettings, WindowPlan, plan_window, spread
+from reorder.plan.window import LoadFigures, PlanSettings, WindowPlan, plan_window
 
 
 class ReorderError(ValueError):
@@ -34,7 +34,7 @@ class ReorderError(ValueError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WindowReport:
+class WindowReport(LoadFigures):
     """What one window exchange did, from this rank's view (module-wide figures where named)."""
 
     slots: int
@@ -60,22 +60,6 @@ class WindowReport:
                    sent_bytes=sent_bytes, plan_ms=plan_ms, exchange_ms=(time.perf_counter() - t0) * 1e3,
                    stage_ms={n: (t - marks[i][1]) * 1e3 for i, (n, t) in enumerate(marks[1:])},
                    gated_slots=int(plan.gated.sum()), shadow=plan.shadow)
-
-    @property
-    def max_before(self) -> float:
-        return float(self.loads_before.max(axis=1).sum())
-
-    @property
-    def max_after(self) -> float:
-        return float(self.loads_after.max(axis=1).sum())
-
-    @property
-    def spread_before(self) -> float:
-        return spread(self.loads_before)
-
-    @property
-    def spread_after(self) -> float:
-        return spread(self.loads_after)
 
 
 @dataclass

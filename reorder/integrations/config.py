@@ -24,6 +24,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 
+_BOOLS = ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder", "megatron_mimo_reorder_overlap",
+          "megatron_mimo_reorder_shadow", "megatron_mimo_reorder_cross_slot")
+# CostModel parameter -> the field that sets it
+_COST_FIELDS = {
+    "encoder_weight": "megatron_mimo_reorder_encoder_cost_weight",
+    "language_weight": "megatron_mimo_reorder_language_cost_weight",
+    "encoder_quadratic_weight": "megatron_mimo_reorder_encoder_quadratic_weight",
+    "language_quadratic_weight": "megatron_mimo_reorder_language_quadratic_weight",
+    "encoder_image_weight": "megatron_mimo_reorder_encoder_image_weight",
+    "image_token_id": "megatron_mimo_reorder_image_token_id",
+    "vision_start_token_id": "megatron_mimo_reorder_vision_start_token_id",
+    "spatial_merge_size": "megatron_mimo_reorder_spatial_merge_size",
+}
+# integer fields -> their minimum
+_INTEGERS = {"megatron_mimo_reorder_window_size": 1, "megatron_mimo_reorder_spatial_merge_size": 1,
+             "megatron_mimo_reorder_overlap_ahead": 1, "megatron_mimo_reorder_image_token_id": 0,
+             "megatron_mimo_reorder_vision_start_token_id": 0, "megatron_mimo_reorder_gate_backoff": 0}
+
+_WEIGHTS = tuple(name for name in _COST_FIELDS.values() if name not in _INTEGERS)  # the cost weights
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReorderConfig:
     """Validated reorder settings (frozen). Field names of the first six follow upstream."""
@@ -51,40 +72,32 @@ class ReorderConfig:
     megatron_mimo_reorder_gate_backoff: int = 0  # after gated windows in a row, skip up to this many unplanned (0: off)
 
     def __post_init__(self):
-        for name in ("megatron_mimo_scalable_dp", "megatron_mimo_intra_microbatch_reorder",
-                     "megatron_mimo_reorder_overlap", "megatron_mimo_reorder_shadow",
-                     "megatron_mimo_reorder_cross_slot"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        self._parse_fields()
         if self.megatron_mimo_intra_microbatch_reorder and not self.megatron_mimo_scalable_dp:
             raise ValueError("megatron_mimo_intra_microbatch_reorder=True requires "
                              "megatron_mimo_scalable_dp=True: reordering balances the 1/dp shares of "
                              "scalable reads; set both (flag --intra-microbatch-reorder does)")
-        for name in ("megatron_mimo_reorder_encoder_cost_weight",
-                     "megatron_mimo_reorder_language_cost_weight", "megatron_mimo_reorder_encoder_quadratic_weight",
-                     "megatron_mimo_reorder_encoder_image_weight", "megatron_mimo_reorder_language_quadratic_weight"):
-            w = getattr(self, name)
-            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
-                raise ValueError(f"{name}={w!r}: must be a finite number >= 0")
-            object.__setattr__(self, name, float(w))
-        if not (self.megatron_mimo_reorder_encoder_cost_weight or self.megatron_mimo_reorder_language_cost_weight
-                or self.encoder_quadratic_weight or self.language_quadratic_weight or self.encoder_image_weight):
-            raise ValueError("megatron_mimo_reorder_encoder_cost_weight=0.0 and "
-                             "megatron_mimo_reorder_language_cost_weight=0.0 (and no quadratic or per-image "
-                             "weight): at least one cost weight must be > 0, otherwise every sample costs 0 "
-                             "and there is nothing to balance")
-        for name, minimum in (("megatron_mimo_reorder_window_size", 1), ("megatron_mimo_reorder_spatial_merge_size", 1),
-                              ("megatron_mimo_reorder_overlap_ahead", 1), ("megatron_mimo_reorder_image_token_id", 0),
-                              ("megatron_mimo_reorder_vision_start_token_id", 0),
-                              ("megatron_mimo_reorder_gate_backoff", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
-                raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
-            object.__setattr__(self, name, int(v))
         if self.image_token_id == self.vision_start_token_id:
             raise ValueError(f"megatron_mimo_reorder_image_token_id={self.image_token_id} equals "
                              f"megatron_mimo_reorder_vision_start_token_id={self.vision_start_token_id}: they must be "
                              "different tokens")
+        self._check_objects()
+
+    def _parse_fields(self) -> None:
+        """Every field's type and range, named as the field; numbers normalised to float / int."""
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        for name in _WEIGHTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name}={v!r}: must be a finite number >= 0")
+            object.__setattr__(self, name, float(v))
+        for name, minimum in _INTEGERS.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
+            object.__setattr__(self, name, int(v))
         for name, top in (("megatron_mimo_reorder_min_gain", 1.0), ("megatron_mimo_reorder_min_saving", math.inf)):
             v = getattr(self, name)
             if v is None:
@@ -93,17 +106,27 @@ class ReorderConfig:
                 raise ValueError(f"{name}={v!r}: must be a finite number >= 0" + (" and < 1" if top == 1 else "")
                                  + " (or unset)")
             object.__setattr__(self, name, float(v))
-        if self.gate_backoff and self.min_gain is None and self.min_saving is None:
+        if not isinstance(self.balancer, str):
+            raise ValueError(f"megatron_mimo_reorder_balancer={self.balancer!r}: must be a balancer name (str)")
+
+    def _check_objects(self) -> None:
+        """The rules of the objects this config builds, decided by them (`CostModel`, `PlanSettings`)
+        and worded with the config's field names."""
+        try:
+            self.cost_model()
+        except ValueError as e:  # every field is parsed: the rule left is that some weight is > 0
+            raise ValueError("megatron_mimo_reorder_encoder_cost_weight=0.0 and "
+                             "megatron_mimo_reorder_language_cost_weight=0.0 (and no quadratic or per-image "
+                             "weight): at least one cost weight must be > 0, otherwise every sample costs 0 "
+                             "and there is nothing to balance") from e
+        try:
+            settings = self.plan_settings()
+        except ValueError as e:  # the balancer: "balancer='x' is unknown; choose one of [...]"
+            raise ValueError(f"megatron_mimo_reorder_{e}") from None
+        if self.gate_backoff and not settings.gated:
             raise ValueError(f"megatron_mimo_reorder_gate_backoff={self.gate_backoff}: the backoff skips windows after "
                              "the cost-benefit gate kept them natural; set megatron_mimo_reorder_min_gain or "
                              "megatron_mimo_reorder_min_saving too")
-        if not isinstance(self.balancer, str):
-            raise ValueError(f"megatron_mimo_reorder_balancer={self.balancer!r}: must be a balancer name (str)")
-        from reorder.plan.balancers import get_balancer
-        try:
-            get_balancer(self.balancer)
-        except ValueError as e:  # "balancer='x' is unknown; choose one of [...]": named as the field
-            raise ValueError(f"megatron_mimo_reorder_{e}") from None
 
     # -- convenience ---------------------------------------------------------------------------
     @property
@@ -188,15 +211,18 @@ class ReorderConfig:
         """The `CostModel` these weights, token ids and merge size describe."""
         from reorder.plan.cost import CostModel
 
-        return CostModel(encoder_weight=self.encoder_weight, language_weight=self.language_weight,
-                         encoder_quadratic_weight=self.encoder_quadratic_weight,
-                         language_quadratic_weight=self.language_quadratic_weight,
-                         encoder_image_weight=self.encoder_image_weight, image_token_id=self.image_token_id,
-                         vision_start_token_id=self.vision_start_token_id, spatial_merge_size=self.spatial_merge_size)
+        return CostModel(**{param: getattr(self, name) for param, name in _COST_FIELDS.items()})
+
+    def plan_settings(self):
+        """The `PlanSettings` (balancer, gate, shadow, cross-slot) of every window."""
+        from reorder.plan.window import PlanSettings
+
+        return PlanSettings(balancer=self.balancer, min_gain=self.min_gain, min_saving=self.min_saving,
+                            cross_slot=self.cross_slot, shadow=self.shadow)
 
     def exchanger_settings(self) -> dict:
         """The `WindowExchanger` keyword arguments this config sets: the cost model, the planning
-        settings (`PlanSettings`) and the window (size, gate backoff)."""
+        settings (`plan_settings`) and the window (size, gate backoff)."""
         return dict(cost=self.cost_model(), balancer=self.balancer, window_size=self.window_size, shadow=self.shadow,
                     cross_slot=self.cross_slot, min_gain=self.min_gain, min_saving=self.min_saving,
                     gate_backoff=self.gate_backoff)

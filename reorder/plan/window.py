@@ -54,8 +54,33 @@ class PlanSettings:
         return self.min_gain is not None or self.min_saving is not None
 
 
+class LoadFigures:
+    """Figures of a window's per-rank loads `loads_before` / `loads_after` [W, dp] (natural vs
+    planned), shared by the plan and the driver's report."""
+
+    __slots__ = ()
+
+    @property
+    def max_before(self) -> float:
+        """Sum over slots of the max per-rank load, natural assignment."""
+        return float(self.loads_before.max(axis=1).sum())
+
+    @property
+    def max_after(self) -> float:
+        """Sum over slots of the max per-rank load, planned assignment."""
+        return float(self.loads_after.max(axis=1).sum())
+
+    @property
+    def spread_before(self) -> float:
+        return spread(self.loads_before)
+
+    @property
+    def spread_after(self) -> float:
+        return spread(self.loads_after)
+
+
 @dataclass(frozen=True, kw_only=True)
-class WindowPlan:
+class WindowPlan(LoadFigures):
     """One window's plan, from every rank's view alike.
 
     orders [W, B]: slot s's canonical order (natural indices); with cross_slot, row s lists the
@@ -95,21 +120,19 @@ class WindowPlan:
     def fully_gated(self) -> bool:
         return bool(self.gated.all())
 
-    @property
-    def spread_before(self) -> float:
-        return spread(self.loads_before)
 
-    @property
-    def spread_after(self) -> float:
-        return spread(self.loads_after)
+def spreads(loads: np.ndarray) -> np.ndarray:
+    """float64 [W]: max / mean per-rank load of every slot of loads [W, dp] (1.0 where a slot has no load)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    mean = loads.mean(axis=1)
+    return np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
 
 
 def spread(loads: np.ndarray) -> float:
     """Mean over slots of max / mean per-rank load (slots with no load left out; 1.0 when none has)."""
     loads = np.asarray(loads, dtype=np.float64)
-    mean = loads.mean(axis=1)
-    ok = mean > 0
-    return float((loads.max(axis=1)[ok] / mean[ok]).mean()) if ok.any() else 1.0
+    ok = loads.mean(axis=1) > 0
+    return float(spreads(loads)[ok].mean()) if ok.any() else 1.0
 
 
 def inverse(orders: np.ndarray) -> np.ndarray:

@@ -1,0 +1,74 @@
+"""What the benchmarks and the GPU functional tests share: a device synchronizer, wall-clock timers,
+the torchrun set-up of a multi-process run, and a count of the torch ops a block dispatches.
+
+Scripts import it as `bench.common` (they run with the repository root on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import time
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _nothing() -> None:
+    pass
+
+
+def synchronizer(device=None):
+    """A function of no arguments that waits for the work queued on `device`: torch.cuda.synchronize
+    on a CUDA device (with None: the current one, when CUDA is available), else nothing."""
+    if device is None:
+        return torch.cuda.synchronize if torch.cuda.is_available() else _nothing
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _nothing
+
+
+def times_ms(fn, reps: int, sync=_nothing, warmup: int = 0) -> list:
+    """Wall times in ms of `reps` calls of fn(), each between two sync() calls, after `warmup`
+    untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def median_ms(fn, reps: int, sync=_nothing, warmup: int = 0) -> float:
+    """The median of `times_ms`."""
+    return float(np.median(times_ms(fn, reps, sync, warmup)))
+
+
+def init_torchrun(cuda: bool | None = None, timeout=datetime.timedelta(minutes=5)):
+    """Join the torchrun job (env:// rendezvous): Gloo on the CPU, Gloo and NCCL with `cuda` (None:
+    when a GPU is available), each rank then on the GPU of its LOCAL_RANK. Returns (rank, world
+    size, device)."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+class Count(TorchDispatchMode):
+    """Counts the aten ops dispatched inside its `with` block (`ops`: op name -> calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
