@@ -99,10 +99,9 @@ def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
 
     # slot 0 gains (max group load 10 -> 6); slot 1 is uniform: nothing to gain, keep natural order
     costs = np.array([[5.0, 5, 1, 1, 2, 2, 3, 3], [1.0] * 8])
-    orders = plan.plan_orders(costs, 4)
-    gated_orders, gated = plan.gate_orders(costs, orders, 4, 0.0)
+    gated_orders, gated = plan.plan_gated_orders(costs, 4, "lpt", 0.0)
     assert gated.tolist() == [False, True] and gated_orders[1].tolist() == list(range(8))
-    _, gated_all = plan.gate_orders(costs, orders, 4, 0.99)
+    _, gated_all = plan.plan_gated_orders(costs, 4, "lpt", 0.99)
     assert gated_all.all()
 
     def fn(r, coll):
@@ -125,12 +124,12 @@ def test_min_saving_gate_keeps_slots_that_save_too_little():
     assert saving.tolist() == [4.0, 2.0, 0.0]
     for threshold, want in ((0.0, [False, False, True]), (1.9, [False, False, True]), (2.0, [False, True, True]),
                             (4.0, [True, True, True])):
-        got_orders, gated = plan.gate_orders(costs, orders, 4, min_saving=threshold)
+        got_orders, gated = plan.plan_gated_orders(costs, 4, "lpt", min_saving=threshold)
         assert gated.tolist() == want, threshold
         assert (got_orders[gated] == np.arange(8)).all() and (got_orders[~gated] == orders[~gated]).all()
     # either threshold gates: the relative one alone keeps slot 1 (gain 0.5), both together drop it
-    assert plan.gate_orders(costs, orders, 4, min_gain=0.2)[1].tolist() == [False, False, True]
-    assert plan.gate_orders(costs, orders, 4, min_gain=0.2, min_saving=2.0)[1].tolist() == [False, True, True]
+    assert plan.plan_gated_orders(costs, 4, "lpt", min_gain=0.2)[1].tolist() == [False, False, True]
+    assert plan.plan_gated_orders(costs, 4, "lpt", min_gain=0.2, min_saving=2.0)[1].tolist() == [False, True, True]
 
 
 def test_gate_thresholds_are_checked_locally():  # mismatches across ranks: tests/faults.py

@@ -14,7 +14,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from reorder.cli import synthetic as syn

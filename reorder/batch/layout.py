@@ -228,13 +228,13 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
         shard.lists = list(zip(*cols))
     grid_path = None
     if vision:
-        grid_path = _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts,
-                                     grid_host, where)
+        grid_path = _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_counts, grid_host,
+                                     where)
     layout = BatchLayout(tuple(dense), tuple(ragged), tuple(lists), grid_path)
     return layout, shard
 
 
-def _describe_vision(vision, ids, local_batch, vision_start_token_id, ragged, shard, image_counts=None,
+def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_counts=None,
                      grid_host=None, where=""):
     grids = [(p, v) for p, v in vision if p[-1] == "grid_thw"]
     if len(grids) != 1:

@@ -368,28 +368,19 @@ def orders_moved(orders: np.ndarray, dp: int) -> np.ndarray:
 
 
 def _bound(costs: np.ndarray, d: int, tick=None) -> np.ndarray:
-    """[M] lower bound of the max per-rank cost of any equal-count split over d ranks:
-    reorder.plan.balancers.lower_bound per micro-batch where available, else the mean and the largest
-    sample plus the b-1 smallest others on its rank. tick(n): progress, n micro-batches done."""
-    from reorder.plan import balancers
+    """[M] a proven lower bound of the max per-rank cost of any equal-count split over d ranks
+    (reorder.plan.balancers.lower_bound per micro-batch). tick(n): progress, n micro-batches done."""
+    from reorder.plan.balancers import lower_bound
 
-    b = costs.shape[1] // d
-    s = np.sort(costs, axis=1)
-    simple = np.maximum(costs.sum(axis=1) / d, s[:, -1] + s[:, :b - 1].sum(axis=1))
-    proven = getattr(balancers, "lower_bound", None)
-    if proven is None:
-        if tick:
-            tick(len(costs))
-        return simple
     out = np.empty(len(costs))
     for k in range(0, len(costs), CHUNK):
-        out[k:k + CHUNK] = [proven(row, d) for row in costs[k:k + CHUNK]]
+        out[k:k + CHUNK] = [lower_bound(row, d) for row in costs[k:k + CHUNK]]
         if tick:
             tick(len(out[k:k + CHUNK]))
-    return np.maximum(simple, out)
+    return out
 
 
-def replay(costs: np.ndarray, dps: dict, micro_batch: int, balancers: list, tick=None) -> dict:
+def replay(costs: np.ndarray, dps: dict, balancers: list, tick=None) -> dict:
     """Every balancer on costs [M, B] (one row per global micro-batch) for each module's DP size.
     Planning time per micro-batch is measured after one untimed first call of each balancer (its
     one-time set-up, reported apart as plan_first_call_ms). tick(n): progress, n micro-batches done
@@ -507,7 +498,7 @@ def run(args) -> dict:
     used = costs[:m * B]
     bar = _progress(args, m * (len(dps) + len(balancers)))
     try:
-        res = replay(used.reshape(m, B), dps, B, balancers, tick=None if bar is None else bar.update)
+        res = replay(used.reshape(m, B), dps, balancers, tick=None if bar is None else bar.update)
     finally:
         if bar is not None:
             bar.close()

@@ -49,11 +49,6 @@ class Grid:
         """Rank of this module that owns canonical group(s) `group` (int or integer array)."""
         return group // self.groups_per_rank
 
-    def local_batch(self, global_batch: int) -> int:
-        """B/d, after checking B % G == 0."""
-        check_global_batch(global_batch, self.groups)
-        return global_batch // self.dp
-
 
 def check_global_batch(global_batch: int, groups: int) -> None:
     """B must be a positive multiple of G so every group gets B/G samples."""

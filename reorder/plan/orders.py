@@ -27,20 +27,6 @@ def rank_loads(costs: np.ndarray, orders: np.ndarray | None, dp: int) -> np.ndar
     return costs.reshape(w, dp, b // dp).sum(axis=2)
 
 
-def gate_orders(costs: np.ndarray, orders: np.ndarray, groups: int, min_gain: float | None = None,
-                min_saving: float | None = None):
-    """Cost-benefit gate: keep the natural assignment for every slot whose plan does not pay. On the
-    grid, with max_before / max_after the max group load of the natural / planned assignment, a slot
-    is gated when its relative gain 1 - max_after / max_before is <= `min_gain`, or its saving
-    max_before - max_after (cost units: ms when the cost weights are calibrated in ms) is <=
-    `min_saving` (None: that test is off). Depends only on costs, orders, G and the two thresholds,
-    so every rank of every module takes the same decision. Returns (orders, bool [W] gated)."""
-    costs = np.asarray(costs, dtype=np.float64)
-    before = rank_loads(costs, None, groups).max(axis=1)
-    return _keep_natural(orders, _does_not_pay(before, rank_loads(costs, orders, groups).max(axis=1),
-                                               min_gain, min_saving))
-
-
 def _does_not_pay(before, after, min_gain, min_saving) -> np.ndarray:
     """bool [W]: the gate's test, max loads `before` -> `after` per slot (either threshold may be None)."""
     fails = np.zeros(len(before), dtype=bool)
@@ -60,7 +46,12 @@ def _keep_natural(orders, gated):
 
 def plan_gated_orders(costs: np.ndarray, groups: int, balancer: str, min_gain: float | None = None,
                       min_saving: float | None = None):
-    """plan_orders then gate_orders, with the same result, but slots that cannot pay are not planned:
+    """plan_orders, then the cost-benefit gate: keep the natural assignment for every slot whose plan
+    does not pay. With max_before / max_after the max group load of the natural / planned
+    assignment, a slot is gated when its relative gain 1 - max_after / max_before is <= `min_gain`,
+    or its saving max_before - max_after (cost units: ms when the cost weights are calibrated in ms)
+    is <= `min_saving` (None: that test is off). Depends only on costs, G and the two thresholds, so
+    every rank of every module takes the same decision. Slots that cannot pay are not planned:
     a plan's saving is at most max_before - (a proven lower bound on the optimal max load), so a
     slot whose bound already fails the gate keeps its natural order unplanned (a gated window costs
     almost nothing). The bound is a float sum like the loads (exact for integer costs), and every
