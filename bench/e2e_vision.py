@@ -138,16 +138,16 @@ def main():
     def step(mb, calibrate=False):
         vit = mb["modality_inputs"]["images"]["vit"]
         patches = vit["hidden_states"].to(dev, params[0].dtype, non_blocking=True)
-        grid = vit["grid_thw"].cpu()
+        thw = vit["grid_thw"].cpu()
         if calibrate:
             sync()
             t = time.perf_counter()
-        loss = model(patches, grid)
+        loss = model(patches, thw)
         loss.backward()
         if calibrate:  # this rank's own compute time, before the all-reduce waits for the slower rank
             sync()
-            per = grid.prod(1).double()
-            compute.append([float(per.sum()), float((per * per).sum()), len(grid), (time.perf_counter() - t) * 1e3])
+            per = thw.prod(1).double()
+            compute.append([float(per.sum()), float((per * per).sum()), len(thw), (time.perf_counter() - t) * 1e3])
         flat = torch.cat([q.grad.reshape(-1) for q in params])
         dist.all_reduce(flat)
         for q in params:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import Count, init_torchrun, median_ms, synchronizer
-from reorder import CostModel, WindowExchanger
+from reorder import CostModel, Grid, WindowExchanger
 
 from reorder.batch.blocks import take
 from reorder.plan.window import plan_window
@@ -25,7 +25,7 @@ from reorder.runtime.buffer import ReorderingBuffer
 from reorder.exchange.dist import build_groups
 from reorder.plan import wire
 from reorder.plan.counts import COLUMNS
-from reorder.batch.layout import grid_of, tensors
+from reorder.batch.layout import grid_thw_of, tensors
 
 
 _sync = synchronizer()  # the current GPU's, when there is one
@@ -174,7 +174,7 @@ def main():
     for mb in args.dp1_sizes:
         rng = np.random.default_rng(7)
         gs = [syn.to_device(syn.make_global_batch(rng, mb, S, features=F, mix=args.mix), dev) for _ in range(8)]
-        loc = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
+        loc = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
                               device=dev)
         reps = [loc.exchange([g])[1] for g in gs]
         permuted[mb] = sum(bool((r.orders != np.arange(mb)).any()) for r in reps)
@@ -191,7 +191,7 @@ def main():
         order = plan_window(*plan_args).orders[0]
         dp1_parts[mb] = dict(
             prepare=timed(lambda: loc._prepare([g]), args.reps * 4),
-            counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid_thw=grid_of(g)), args.reps * 4),
+            counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid_thw=grid_thw_of(g)), args.reps * 4),
             plan=timed(lambda: plan_window(*plan_args), args.reps * 4),
             take=timed(lambda: take(win.layout, [win.shards[0]], order, dev), args.reps * 4))
         # from pinned host memory (a data loader's batch): the whole dp-1 exchange, which lands on the
@@ -199,7 +199,7 @@ def main():
         hs = [pin(syn.make_global_batch(np.random.default_rng(7 + i), mb, S, features=F, mix=args.mix))
               for i in range(8)]
         k = iter(range(10**9))
-        early = WindowExchanger(grid=groups.grid.__class__(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
+        early = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
                                 device=dev, early_copy=True)
         dp1_host[mb] = dict(exchange=timed(lambda: loc.exchange([hs[next(k) % 8]]), args.reps * 8),
                             early_copy=timed(lambda: early.exchange([hs[next(k) % 8]]), args.reps * 8),

@@ -164,38 +164,38 @@ def cpu_shims():
         setattr(dist, name, lambda *a, _orig=orig, **k: _orig(*a, **{**k, "backend": "gloo"}))
 
 
-def make_grid(offset, size, backend):
+def make_comm_grid(offset, size, backend):
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-    g = HyperCommGrid([1, 1, 1, size, 1, 1], ["tp", "cp", "pp", "dp", "ep", "expt_dp"], rank_offset=offset,
-                      backend=backend)
+    comm_grid = HyperCommGrid([1, 1, 1, size, 1, 1], ["tp", "cp", "pp", "dp", "ep", "expt_dp"], rank_offset=offset,
+                              backend=backend)
     for dims in (["tp"], ["cp"], ["pp"], ["dp"], ["dp", "cp"], ["ep"], ["expt_dp"], ["tp", "pp"]):
-        g.create_pg(dims)
-    return g
+        comm_grid.create_pg(dims)
+    return comm_grid
 
 
-def pg_collection(grid, embd_groups):
+def pg_collection(comm_grid, embd_groups):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pg = ProcessGroupCollection()
-    pg.tp, pg.cp, pg.pp = grid.get_pg("tp"), grid.get_pg("cp"), grid.get_pg("pp")
-    pg.ep, pg.dp, pg.dp_cp = grid.get_pg("ep"), grid.get_pg("dp"), grid.get_pg(["dp", "cp"])
-    pg.expt_dp = grid.get_pg("expt_dp")
-    pg.pos_embd, pg.embd = embd_groups.get(grid.rank_offset, (None, None))
+    pg.tp, pg.cp, pg.pp = comm_grid.get_pg("tp"), comm_grid.get_pg("cp"), comm_grid.get_pg("pp")
+    pg.ep, pg.dp, pg.dp_cp = comm_grid.get_pg("ep"), comm_grid.get_pg("dp"), comm_grid.get_pg(["dp", "cp"])
+    pg.expt_dp = comm_grid.get_pg("expt_dp")
+    pg.pos_embd, pg.embd = embd_groups.get(comm_grid.rank_offset, (None, None))
     return pg
 
 
 def embedding_groups(grids):
     """pos_embd / embd groups per grid (pp 1: the grid's own ranks); world-wide, same order everywhere."""
     out = {}
-    for g in grids:
-        if g.rank_offset in out:
+    for comm_grid in grids:
+        if comm_grid.rank_offset in out:
             continue
-        ranks = list(range(g.rank_offset, g.rank_offset + g.size))
-        groups = [dist.new_group(ranks=[r]) for r in ranks]  # pp 1: every rank is first and last stage
+        ranks = list(range(comm_grid.rank_offset, comm_grid.rank_offset + comm_grid.size))
+        own = [dist.new_group(ranks=[r]) for r in ranks]  # pp 1: every rank is first and last stage
         me = dist.get_rank()
-        mine = groups[ranks.index(me)] if me in ranks else None
-        out[g.rank_offset] = (mine, mine)
+        mine = own[ranks.index(me)] if me in ranks else None
+        out[comm_grid.rank_offset] = (mine, mine)
     return out
 
 
@@ -502,7 +502,8 @@ def test_noncoloc(args):
 
     cpu = args.device == "cpu"
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
-    enc_grid, lang_grid = make_grid(0, 1, "gloo" if cpu else "nccl"), make_grid(1, 1, "gloo" if cpu else "nccl")
+    backend = "gloo" if cpu else "nccl"
+    enc_grid, lang_grid = make_comm_grid(0, 1, backend), make_comm_grid(1, 1, backend)
     embd = embedding_groups([enc_grid, lang_grid])
     model = build_model(args, enc_grid, lang_grid, embd, device)
     init = copy.deepcopy(model.state_dict())
@@ -622,12 +623,12 @@ def setup(args):
         model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
     world = dist.get_world_size()
     backend = "gloo" if cpu else "nccl"
-    grid = make_grid(0, world, backend)
-    lang_grid = make_grid(0, world, backend)
-    embd = embedding_groups([grid])
-    model = build_model(args, grid, lang_grid, embd, device)
+    enc_grid = make_comm_grid(0, world, backend)
+    lang_grid = make_comm_grid(0, world, backend)
+    embd = embedding_groups([enc_grid])
+    model = build_model(args, enc_grid, lang_grid, embd, device)
     env = {"model": model, "init_state": copy.deepcopy(model.state_dict()), "device": device, "dp": world,
-           "dp_rank": dist.get_rank(), "grids": {ENC: grid, LANG: lang_grid},
+           "dp_rank": dist.get_rank(), "grids": {ENC: enc_grid, LANG: lang_grid},
            "dp_group": lang_grid.get_pg("dp"), "gloo": dist.new_group(backend="gloo"),
            "ds": Dataset(args.dataset, args.seq_len, args.features, args.mix, args.scale, args.seed),
            "tmp": tempfile.mkdtemp(prefix="mimo_suite_")}

@@ -32,15 +32,15 @@ def per_sample_bytes(batch, *, vision_start_token_id):
             for i in range(n):
                 out[i][key] = _raw(v.select(dim, i))
     for enc_name, enc in batch.get("modality_inputs", {}).get("images", {}).items():
-        grid = enc["grid_thw"].tolist()
+        thw = enc["grid_thw"].tolist()
         counts = [sum(1 for t in ids[i].tolist() if t == vision_start_token_id) for i in range(n)]
         img = row = 0
         for i in range(n):
             rows = 0
             for k in range(img, img + counts[i]):
-                rows += grid[k][0] * grid[k][1] * grid[k][2]
+                rows += thw[k][0] * thw[k][1] * thw[k][2]
             for key, v in enc.items():
-                if key == "grid_thw" or (key != "hidden_states" and v.shape[0] == len(grid)):
+                if key == "grid_thw" or (key != "hidden_states" and v.shape[0] == len(thw)):
                     out[i][f"{enc_name}/{key}"] = _raw(v[img:img + counts[i]])
                 else:
                     out[i][f"{enc_name}/{key}"] = _raw(v[row:row + rows])

@@ -138,15 +138,15 @@ def test_extra_per_image_field_moves_with_its_sample():
     assert enc["hidden_states"].shape == (64, 2)
 
 
-@pytest.mark.parametrize("grid,placeholders", [([1, -4, -4], 4), ([1, 4, -4], 4), ([0, 4, 4], 4), ([-1, -1, 4], 1)])
-def test_grid_thw_components_must_be_at_least_one(grid, placeholders):
+@pytest.mark.parametrize("thw,placeholders", [([1, -4, -4], 4), ([1, 4, -4], 4), ([0, 4, 4], 4), ([-1, -1, 4], 1)])
+def test_grid_thw_components_must_be_at_least_one(thw, placeholders):
     ids = torch.zeros(2, 16, dtype=torch.int64)
     ids[1, 0], ids[1, 1:1 + placeholders] = syn.VISION_START, syn.IMAGE_TOKEN
-    rows = abs(grid[0] * grid[1] * grid[2])
+    rows = abs(thw[0] * thw[1] * thw[2])
     batch = {"input_ids": ids, "modality_inputs": {"images": {"vit": {
-        "hidden_states": torch.zeros(rows, 3), "grid_thw": torch.tensor([grid])}}}}
+        "hidden_states": torch.zeros(rows, 3), "grid_thw": torch.tensor([thw])}}}}
     ex = WindowExchanger(grid=Grid(groups=1, dp=1, rank=0), micro_batch_size=2, cost=COST)
     with pytest.raises(ReorderError) as info:
         ex.exchange([batch])
-    assert (f"micro-batch 0 sample 1 image 0: grid_thw {grid} has a component < 1: every t, h, w must be "
+    assert (f"micro-batch 0 sample 1 image 0: grid_thw {thw} has a component < 1: every t, h, w must be "
             "an integer >= 1") in str(info.value)

@@ -175,24 +175,25 @@ def test_both_counting_paths_match_spec(b, s, merge, with_grid, data):
     ids = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([5, 7, 7, 9]), min_size=s, max_size=s),
                                           min_size=b, max_size=b)))
     mask = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=s, max_size=s), min_size=b, max_size=b)))
-    grid = torch.tensor(data.draw(st.lists(st.integers(1, 99), min_size=0, max_size=12)), dtype=torch.int32)
-    grid = grid[:len(grid) // 3 * 3].reshape(-1, 3) if with_grid else None
+    grid_thw = torch.tensor(data.draw(st.lists(st.integers(1, 99), min_size=0, max_size=12)), dtype=torch.int32)
+    grid_thw = grid_thw[:len(grid_thw) // 3 * 3].reshape(-1, 3) if with_grid else None
     m = CostModel(encoder_weight=1.0, image_token_id=7, vision_start_token_id=9, spatial_merge_size=merge)
     kw = dict(image_token_id=7, spatial_merge_size=merge, vision_start_token_id=9)
     want = [[ref.sample_cost(ids[i].tolist(), mask[i].tolist(), encoder_weight=w, language_weight=lw,
                              encoder_quadratic_weight=q, encoder_image_weight=im, **kw)
              for i in range(b)] for w, lw, q, im in ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0))]
     for path in (partial(counting._counts_numpy, m), partial(counting._counts_torch, m)):
-        counts, g = path(ids, mask, True, grid)
+        counts, g = path(ids, mask, True, grid_thw)
         assert counts.dtype == np.int64 and counts.shape == (4, b)
         assert (counts[0] * merge * merge).tolist() == want[0]
         assert counts[1:].tolist() == want[1:]
-        assert (g is None) == (grid is None) and (g is None or (g.dtype == np.int64 and g.tolist() == grid.tolist()))
+        assert (g is None) == (grid_thw is None)
+        assert g is None or (g.dtype == np.int64 and g.tolist() == grid_thw.tolist())
         no_sq, _ = path(ids, mask, False, None)
         assert no_sq[:3].tolist() == counts[:3].tolist() and not no_sq[3].any()
-        no_mask, g2 = path(ids, None, True, grid)
+        no_mask, g2 = path(ids, None, True, grid_thw)
         assert no_mask[[0, 2, 3]].tolist() == counts[[0, 2, 3]].tolist() and not no_mask[1].any()
-        assert (g2 is None) == (grid is None) and (g2 is None or g2.tolist() == grid.tolist())
+        assert (g2 is None) == (grid_thw is None) and (g2 is None or g2.tolist() == grid_thw.tolist())
 
 
 def test_quadratic_cost_golden():

@@ -44,7 +44,7 @@ def grid4(tp=1, cp=1, pp=1, dp=1, offset=0):
 
 # expected values follow megatron's HyperCommGrid convention (checked against megatron-core 0.19.2's
 # get_rank_enum): the first dim name varies fastest (tp, then cp, pp, dp)
-@pytest.mark.parametrize("grid,expected", [
+@pytest.mark.parametrize("comm_grid,expected", [
     (grid4(dp=2), [[0, 1]]),
     (grid4(tp=2, dp=2), [[0, 2], [1, 3]]),
     (grid4(tp=2, pp=2, dp=2), [[0, 4], [1, 5], [2, 6], [3, 7]]),
@@ -53,8 +53,8 @@ def grid4(tp=1, cp=1, pp=1, dp=1, offset=0):
     (FakeGrid([2, 2, 2], ["tp", "dp", "pp"]), [[0, 2], [1, 3], [4, 6], [5, 7]]),
     (FakeGrid([2, 1, 1, 2, 1, 1], ["tp", "cp", "pp", "dp", "ep", "expt_dp"], 2), [[2, 4], [3, 5]]),
 ])
-def test_dp_groups_from_grid(grid, expected):
-    assert rm.dp_groups_from_grid(grid) == expected
+def test_dp_groups_from_grid(comm_grid, expected):
+    assert rm.dp_groups_from_grid(comm_grid) == expected
 
 
 def test_rank_enum_orders_dims_like_get_rank_enum():

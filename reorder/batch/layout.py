@@ -71,7 +71,7 @@ class BatchLayout:
     dense: tuple  # of DenseField
     ragged: tuple  # of RaggedField
     lists: tuple  # of Path (per-sample python lists)
-    grid_path: Path | None  # path of grid_thw (per-image [n, 3]) when the batch carries vision
+    grid_thw_path: Path | None  # path of grid_thw (per-image [n, 3]) when the batch carries vision
 
     @property
     def dense_sample_bytes(self) -> int:
@@ -95,7 +95,7 @@ class BatchLayout:
             return self
         ragged = tuple(RaggedField(f.path, kinds.get(f.path, "row"), f.dtype, f.entry_shape) if f.per == "any" else f
                        for f in self.ragged)
-        return BatchLayout(self.dense, ragged, self.lists, self.grid_path)
+        return BatchLayout(self.dense, ragged, self.lists, self.grid_thw_path)
 
     def signature(self) -> str:
         """A stable text of everything that must match across ranks to concatenate samples."""
@@ -164,7 +164,7 @@ def tensors(obj):
             yield from tensors(v)
 
 
-def grid_of(batch) -> torch.Tensor | None:
+def grid_thw_of(batch) -> torch.Tensor | None:
     """The batch's grid_thw tensor when it carries exactly one (else None: `describe` explains)."""
     mi = batch.get("modality_inputs") if isinstance(batch, dict) else None
     found = [v for p, v in _walk(mi) if p and p[-1] == "grid_thw"] if isinstance(mi, dict) else []
@@ -183,9 +183,9 @@ def _walk(obj, path=()):
 
 def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
              batch_dims: dict | None = None, image_counts: torch.Tensor | None = None,
-             grid_host: np.ndarray | None = None, where: str = "") -> tuple[BatchLayout, Shard]:
+             grid_thw_host: np.ndarray | None = None, where: str = "") -> tuple[BatchLayout, Shard]:
     """Split one rank's micro-batch of `local_batch` samples into its layout and a shard
-    (image_counts: per-sample vision-start tokens; grid_host: grid_thw already on the host, as int64;
+    (image_counts: per-sample vision-start tokens; grid_thw_host: grid_thw already on the host, as int64;
     where: how error messages name this micro-batch, e.g. "micro-batch 2 ").
 
     Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
@@ -226,37 +226,37 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
     if lists:
         cols = [field_at(batch, p) for p in lists]
         shard.lists = list(zip(*cols))
-    grid_path = None
+    grid_thw_path = None
     if vision:
-        grid_path = _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_counts, grid_host,
-                                     where)
-    layout = BatchLayout(tuple(dense), tuple(ragged), tuple(lists), grid_path)
+        grid_thw_path = _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_counts,
+                                         grid_thw_host, where)
+    layout = BatchLayout(tuple(dense), tuple(ragged), tuple(lists), grid_thw_path)
     return layout, shard
 
 
 def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_counts=None,
-                     grid_host=None, where=""):
-    grids = [(p, v) for p, v in vision if p[-1] == "grid_thw"]
-    if len(grids) != 1:
-        raise LayoutError(f"modality_inputs must hold exactly one 'grid_thw' tensor, found {len(grids)}: "
+                     grid_thw_host=None, where=""):
+    found = [(p, v) for p, v in vision if p[-1] == "grid_thw"]
+    if len(found) != 1:
+        raise LayoutError(f"modality_inputs must hold exactly one 'grid_thw' tensor, found {len(found)}: "
                           "reorder supports one vision encoder per batch")
-    grid_path, grid = grids[0]
-    if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
-        raise LayoutError(f"field {'/'.join(grid_path)!r} must be an [n_images, 3] tensor")
-    enc = grid_path[:-1]
+    grid_thw_path, grid_thw = found[0]
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        raise LayoutError(f"field {'/'.join(grid_thw_path)!r} must be an [n_images, 3] tensor")
+    enc = grid_thw_path[:-1]
     if image_counts is None:
         image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64)
     counts = image_counts.numpy()
     n_img = int(counts.sum())
-    if grid.shape[0] != n_img:
-        raise LayoutError(f"field {'/'.join(grid_path)!r} has {grid.shape[0]} images but input_ids holds "
+    if grid_thw.shape[0] != n_img:
+        raise LayoutError(f"field {'/'.join(grid_thw_path)!r} has {grid_thw.shape[0]} images but input_ids holds "
                           f"{n_img} vision-start tokens (id {vision_start_token_id}): image counts are "
                           "mis-sourced or vision_start_token_id is wrong")
     csum = np.zeros(n_img + 1, dtype=np.int64)  # patch rows before each image (host arithmetic)
-    if grid_host is None:
-        grid_host = grid.to("cpu", torch.int64).numpy()
-    _check_grid(grid_host, counts, grid_path, where)
-    np.cumsum(grid_host.prod(axis=1), out=csum[1:])
+    if grid_thw_host is None:
+        grid_thw_host = grid_thw.to("cpu", torch.int64).numpy()
+    _check_grid_thw(grid_thw_host, counts, grid_thw_path, where)
+    np.cumsum(grid_thw_host.prod(axis=1), out=csum[1:])
     total_rows = int(csum[-1])
     ends = np.cumsum(counts)
     row_counts = torch.from_numpy(csum[ends] - csum[ends - counts])
@@ -266,7 +266,7 @@ def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_co
                               f"(found {'/'.join(enc)!r} too)")
         if not isinstance(v, torch.Tensor) or v.dim() < 1:
             raise LayoutError(f"field {'/'.join(path)!r} must be a tensor with a leading row or image dim")
-        if path == grid_path or (path[-1] != "hidden_states" and v.shape[0] == n_img and n_img != total_rows):
+        if path == grid_thw_path or (path[-1] != "hidden_states" and v.shape[0] == n_img and n_img != total_rows):
             per = "image"
         elif path[-1] != "hidden_states" and v.shape[0] == n_img == total_rows:
             per = "any"  # as many images as rows here: the DP group decides (BatchLayout.resolved)
@@ -279,19 +279,19 @@ def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_co
         shard.ragged[path] = v
     shard.row_counts = row_counts
     shard.image_counts = image_counts
-    return grid_path
+    return grid_thw_path
 
 
-def _check_grid(grid_host: np.ndarray, image_counts: np.ndarray, grid_path: Path, where: str) -> None:
+def _check_grid_thw(grid_thw_host: np.ndarray, image_counts: np.ndarray, grid_thw_path: Path, where: str) -> None:
     """Every t, h, w of grid_thw must be >= 1 (a product of negatives can still match the rows)."""
-    bad = np.flatnonzero((grid_host < 1).any(axis=1))
+    bad = np.flatnonzero((grid_thw_host < 1).any(axis=1))
     if len(bad):
         i = int(bad[0])
         ends = np.cumsum(image_counts)
         sample = int(np.searchsorted(ends, i, side="right"))
         first = int(ends[sample] - image_counts[sample])
-        raise LayoutError(f"{where}sample {sample} image {i - first}: grid_thw {grid_host[i].tolist()} has a component < 1: "
-                          f"every t, h, w must be an integer >= 1 (field {'/'.join(grid_path)!r})")
+        raise LayoutError(f"{where}sample {sample} image {i - first}: grid_thw {grid_thw_host[i].tolist()} has a "
+                          f"component < 1: every t, h, w must be an integer >= 1 (field {'/'.join(grid_thw_path)!r})")
 
 
 def rebuild(template: dict, layout: BatchLayout, shard: Shard) -> dict:

@@ -368,7 +368,7 @@ def run(args) -> dict:
         panels = {m: dict(dp=s["dp"], before=s["loads_before"], after=s["loads_after"],
                           note=f"{m} (dp {s['dp']}): spread {s['spread_before']:.2f} -> {s['spread_after']:.2f}, "
                                f"straggler -{s['saved']:.1%}") for m, s in summary.items()}
-        make_plot("rank_loads", args.plot, panels,
+        make_plot("plot_rank_loads", args.plot, panels,
                   f"reorder demo: per-rank load, {plural(micro_batches, 'micro-batch')} of B={args.micro_batch}, "
                   f"balancer {args.balancer} (spread = max/mean per micro-batch)",
                   f"cost (patches) summed over {plural(micro_batches, 'micro-batch')}")

@@ -20,7 +20,7 @@ def _pyplot():
     return plt
 
 
-def rank_loads(path: str, loads: dict, title: str, ylabel: str = "cost") -> None:
+def plot_rank_loads(path: str, loads: dict, title: str, ylabel: str = "cost") -> None:
     """Grouped bars of per-rank load before / after, one panel per module.
 
     loads: module -> {"dp": d, "before": [d floats], "after": [d floats], "note": panel title}."""
@@ -50,7 +50,7 @@ def rank_loads(path: str, loads: dict, title: str, ylabel: str = "cost") -> None
     plt.close(fig)
 
 
-def simulation(path: str, result: dict, title: str) -> None:
+def plot_simulation(path: str, result: dict, title: str) -> None:
     """Per module: straggler time saved per balancer (bars) and the per-micro-batch spread
     distribution before / after (empirical CDF)."""
     plt = _pyplot()

@@ -326,8 +326,8 @@ def synthetic_samples(mix: str, n: int, seed: int) -> Samples:
 
     rng = np.random.default_rng(seed)
     k = np.where(rng.random(n) < 0.2, 0, rng.integers(1, 5, size=n))
-    grids = syn.draw_images(rng, int(k.sum()), mix)
-    per_image = grids.prod(axis=1)
+    grid_thw = syn.draw_images(rng, int(k.sum()), mix)
+    per_image = grid_thw.prod(axis=1)
     owner = np.repeat(np.arange(n), k)
     patches = np.bincount(owner, weights=per_image, minlength=n).astype(np.int64)
     tokens = rng.integers(32, 1025, size=n) + patches // 4 + 2 * k
@@ -513,7 +513,7 @@ def run(args) -> dict:
                             max_pixels=args.max_pixels) if samples.field == "image_sizes" else None,
                 balancers=res["balancers"], bound=res["bound"])
     if args.plot:
-        make_plot("simulation", args.plot, dict(modules=dps, balancers=res["balancers"], bound=res["bound"],
+        make_plot("plot_simulation", args.plot, dict(modules=dps, balancers=res["balancers"], bound=res["bound"],
                                                 spreads=res["spreads"]),
                   f"reorder simulate: {samples.source}, {plural(m, 'micro-batch')} of B={B}, {layout}")
         print(f"plot written to {args.plot}", file=out)

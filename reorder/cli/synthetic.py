@@ -45,13 +45,13 @@ def make_global_batch(rng: np.random.Generator, batch: int, seq_len: int, *, fea
     ids = np.full((batch, seq_len), PAD, dtype=np.int64)
     mask = np.zeros((batch, seq_len), dtype=np.int64)
     pos = np.zeros((3, batch, seq_len), dtype=np.int64)
-    grids = []
+    thw = []  # grid_thw rows of the images kept, sample by sample
     for s in range(batch):
         k = 0 if rng.random() < text_only else int(rng.integers(1, max_images + 1))
-        g = draw_images(rng, k, mix, scale) if k else np.zeros((0, 3), np.int64)
+        drawn = draw_images(rng, k, mix, scale) if k else np.zeros((0, 3), np.int64)
         text = int(rng.integers(8, max(9, seq_len // 8)))
         toks, kept = list(rng.integers(1000, 150000, size=text)), []
-        for img in g:
+        for img in drawn:
             n_ph = int(img.prod()) // 4
             if len(toks) + n_ph + 2 > seq_len:
                 break
@@ -61,9 +61,9 @@ def make_global_batch(rng: np.random.Generator, batch: int, seq_len: int, *, fea
         ids[s, :len(toks)] = toks
         mask[s, :len(toks)] = 1
         pos[:, s, :len(toks)] = np.arange(len(toks))[None, :] + np.arange(3)[:, None] * (s % 3)
-        grids += kept
-    grid = np.array(grids, dtype=np.int64).reshape(-1, 3)
-    rows = int(grid.prod(axis=1).sum())
+        thw += kept
+    grid_thw = np.array(thw, dtype=np.int64).reshape(-1, 3)
+    rows = int(grid_thw.prod(axis=1).sum())
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     hidden = torch.randn(rows, features, generator=gen).to(dtype)
     input_ids = torch.from_numpy(ids)
@@ -75,7 +75,7 @@ def make_global_batch(rng: np.random.Generator, batch: int, seq_len: int, *, fea
         "attention_mask": torch.from_numpy(mask),
         "position_ids": torch.from_numpy(pos),
         "sample_id": torch.arange(first_id, first_id + batch, dtype=torch.int64),
-        "modality_inputs": {"images": {"vit": {"hidden_states": hidden, "grid_thw": torch.from_numpy(grid)}}},
+        "modality_inputs": {"images": {"vit": {"hidden_states": hidden, "grid_thw": torch.from_numpy(grid_thw)}}},
     }
 
 

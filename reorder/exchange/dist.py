@@ -123,23 +123,23 @@ def build_groups(modules: dict, *, data_backend: str | None = None, overlap: boo
     me = dist.get_rank()
     dp_sizes, where = [], None
     for name in modules:
-        groups = [list(g) for g in modules[name]]
-        sizes = {len(g) for g in groups}
+        dp_groups = [list(g) for g in modules[name]]
+        sizes = {len(g) for g in dp_groups}
         if len(sizes) != 1:
             raise ValueError(f"module {name!r} has DP groups of different sizes {sorted(sizes)}")
         dp_sizes.append(sizes.pop())
-        for g in groups:
+        for g in dp_groups:
             if me in g and where is None:
                 where = (name, g)
     if where is None:
         raise ValueError(f"rank {me} is in no module's DP group: {modules}")
-    groups_g = canonical_grid(dp_sizes)
+    groups = canonical_grid(dp_sizes)
     name, mine = where
-    grid = Grid(groups=groups_g, dp=len(mine), rank=sorted(mine).index(me))  # DP rank = position in sorted ranks
+    grid = Grid(groups=groups, dp=len(mine), rank=sorted(mine).index(me))  # DP rank = position in sorted ranks
     if data_backend is None:
         data_backend = "nccl" if torch.cuda.is_available() else "gloo"
     main = side = None
-    if groups_g > 1:  # same decision on every rank: group creation is world-wide
+    if groups > 1:  # same decision on every rank: group creation is world-wide
         for pair in ("main", "side") if overlap else ("main",):
             for module in modules:
                 for ranks in modules[module]:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from reorder.batch.blocks import byte_fields, field_buffers, resolved, unit_bytes, view_block
-from reorder.batch.layout import LayoutError, describe, field_at, grid_of, rebuild, unify
+from reorder.batch.layout import LayoutError, describe, field_at, grid_thw_of, rebuild, unify
 from reorder.exchange.collectives import Collectives
 from reorder.exchange.executors import select_executor
 from reorder.plan import wire
@@ -152,7 +152,7 @@ class WindowExchanger:
         window, error = self._read(batches, error)
         mark = self._marker(marks)
         mark("prepare")
-        counts, signatures = self._gather(window, error, len(batches))
+        counts, signatures = self._all_gather_window(window, error, len(batches))
         mark("gather")
         if window is None:
             return [], None
@@ -222,12 +222,12 @@ class WindowExchanger:
         if not isinstance(ids, torch.Tensor):
             raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
         (placeholders, real, images, sq), grid_thw = self.cost.counts(ids, batch.get("attention_mask"),
-                                                                        grid_thw=grid_of(batch))
+                                                                        grid_thw=grid_thw_of(batch))
         if self.image_counts is not None:
             images = _per_sample(self.image_counts(batch), len(placeholders), "image_counts", np.int64)
         layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
-                                 batch_dims=self.batch_dims, image_counts=torch.from_numpy(images), grid_host=grid_thw,
-                                 where=f"micro-batch {slot} ")
+                                 batch_dims=self.batch_dims, image_counts=torch.from_numpy(images),
+                                 grid_thw_host=grid_thw, where=f"micro-batch {slot} ")
         rows = np.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts.numpy()
         given = np.zeros(len(placeholders), np.float64)
         if self.sample_costs is not None:
@@ -248,7 +248,7 @@ class WindowExchanger:
                               f"gives it {int(rows[i])} patch rows: image counts are mis-sourced or "
                               f"image_token_id / spatial_merge_size is wrong")
 
-    def _gather(self, window, error, slots):
+    def _all_gather_window(self, window, error, slots):
         """(gathered counts [W, B] or None, the ranks' layout signatures when they differ, else None);
         raises the same ReorderError on every rank for any rank's error."""
         if self.grid.dp == 1:

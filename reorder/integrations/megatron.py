@@ -40,7 +40,7 @@ MODALITY_INPUTS = "modality_inputs"
 
 # ---- grids ---------------------------------------------------------------------------------------
 
-def _is_grid(obj) -> bool:
+def _is_comm_grid(obj) -> bool:
     return hasattr(obj, "shape") and hasattr(obj, "dim_names") and not isinstance(obj, (list, tuple))
 
 
@@ -61,54 +61,54 @@ def _rank_enum(shape, dim_names, rank_offset: int, dims) -> list:
     return t.reshape(-1, group).tolist()
 
 
-def grid_dim(grid, name: str) -> int:
+def grid_dim(comm_grid, name: str) -> int:
     """Size of dim `name` of a HyperCommGrid-like object (1 when the grid has no such dim)."""
-    names = list(grid.dim_names)
-    return int(grid.shape[names.index(name)]) if name in names else 1
+    names = list(comm_grid.dim_names)
+    return int(comm_grid.shape[names.index(name)]) if name in names else 1
 
 
-def rank_enum(grid, dims) -> list:
+def rank_enum(comm_grid, dims) -> list:
     """The grid's own enumeration (`get_rank_enum`, megatron-core >= 0.17) or the same algorithm."""
-    names = list(grid.dim_names)
+    names = list(comm_grid.dim_names)
     wanted = [dims] if isinstance(dims, str) else list(dims)
     missing = [d for d in wanted if d not in names]
     if missing:
         raise ValueError(f"grid has no dim {missing[0]!r} (dim_names={names})")
-    if hasattr(grid, "get_rank_enum"):
-        return [list(map(int, g)) for g in grid.get_rank_enum(wanted if len(wanted) > 1 else wanted[0])]
-    return _rank_enum(list(grid.shape), names, int(getattr(grid, "rank_offset", 0)), wanted)
+    if hasattr(comm_grid, "get_rank_enum"):
+        return [list(map(int, g)) for g in comm_grid.get_rank_enum(wanted if len(wanted) > 1 else wanted[0])]
+    return _rank_enum(list(comm_grid.shape), names, int(getattr(comm_grid, "rank_offset", 0)), wanted)
 
 
-def dp_groups_from_grid(grid) -> list:
+def dp_groups_from_grid(comm_grid) -> list:
     """DP groups (lists of global ranks) of one module: one group per tp/cp/pp (and any other)
-    coordinate of the grid, each in DP-rank order, exactly as `grid.create_pg("dp")` builds them.
+    coordinate of the grid, each in DP-rank order, exactly as `comm_grid.create_pg("dp")` builds them.
 
     Accepts a megatron HyperCommGrid (or any object with `shape`, `dim_names`, `rank_offset`), or
     plain lists: a list of DP groups `[[0, 1], [2, 3]]`, or one DP group `[0, 1]`.
     """
-    if _is_grid(grid):
-        if "dp" not in list(grid.dim_names):
-            raise ValueError(f"grid has no 'dp' dim (dim_names={list(grid.dim_names)}): cannot derive DP groups")
-        groups = rank_enum(grid, "dp")
-    elif isinstance(grid, Sequence) and not isinstance(grid, (str, bytes)):
-        items = list(grid)
+    if _is_comm_grid(comm_grid):
+        if "dp" not in list(comm_grid.dim_names):
+            raise ValueError(f"grid has no 'dp' dim (dim_names={list(comm_grid.dim_names)}): cannot derive DP groups")
+        dp_groups = rank_enum(comm_grid, "dp")
+    elif isinstance(comm_grid, Sequence) and not isinstance(comm_grid, (str, bytes)):
+        items = list(comm_grid)
         if not items:
             raise ValueError("DP rank lists are empty: give one list of global ranks per DP group")
         if all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in items):
-            groups = [[int(r) for r in items]]
+            dp_groups = [[int(r) for r in items]]
         elif all(isinstance(g, Sequence) and not isinstance(g, (str, bytes)) for g in items):
-            groups = [[_rank(r) for r in g] for g in items]
+            dp_groups = [[_rank(r) for r in g] for g in items]
         else:
-            raise ValueError(f"DP rank lists {grid!r}: expected a list of global ranks or a list of such lists")
+            raise ValueError(f"DP rank lists {comm_grid!r}: expected a list of global ranks or a list of such lists")
     else:
-        raise ValueError(f"{grid!r} is neither a HyperCommGrid-like object nor a list of DP rank lists")
-    sizes = {len(g) for g in groups}
+        raise ValueError(f"{comm_grid!r} is neither a HyperCommGrid-like object nor a list of DP rank lists")
+    sizes = {len(g) for g in dp_groups}
     if 0 in sizes or len(sizes) != 1:
-        raise ValueError(f"DP groups {groups} must be non-empty and all of the same size")
-    flat = [r for g in groups for r in g]
+        raise ValueError(f"DP groups {dp_groups} must be non-empty and all of the same size")
+    flat = [r for g in dp_groups for r in g]
     if len(set(flat)) != len(flat):
-        raise ValueError(f"DP groups {groups} list a rank more than once")
-    return groups
+        raise ValueError(f"DP groups {dp_groups} list a rank more than once")
+    return dp_groups
 
 
 def _rank(r) -> int:
@@ -124,15 +124,15 @@ def module_dp_groups(grids: Mapping) -> dict:
     return {name: dp_groups_from_grid(g) for name, g in grids.items()}
 
 
-def pp_stage(grid, rank: int) -> tuple[int, int]:
+def pp_stage(comm_grid, rank: int) -> tuple[int, int]:
     """(stage, pp size) of global `rank` in a HyperCommGrid-like grid; (0, 1) for plain lists."""
-    if not _is_grid(grid) or "pp" not in list(grid.dim_names):
+    if not _is_comm_grid(comm_grid) or "pp" not in list(comm_grid.dim_names):
         return 0, 1
-    for g in rank_enum(grid, "pp"):
+    for g in rank_enum(comm_grid, "pp"):
         if rank in g:
             return g.index(rank), len(g)
-    raise ValueError(f"rank {rank} is not in the grid (ranks {grid.rank_offset}.."
-                     f"{grid.rank_offset + int(np.prod(grid.shape)) - 1})")
+    raise ValueError(f"rank {rank} is not in the grid (ranks {comm_grid.rank_offset}.."
+                     f"{comm_grid.rank_offset + int(np.prod(comm_grid.shape)) - 1})")
 
 
 # ---- field selection -----------------------------------------------------------------------------
@@ -187,21 +187,21 @@ def check_layout(grids: Mapping, *, pp_sizes: Mapping | None = None, fixed_width
                  language_module: str = LANGUAGE) -> dict:
     """Validate a module layout for reorder (identical on every rank, so every rank raises together);
     returns {module: DP groups}. Encoder PP comes from each encoder grid's 'pp' dim, or `pp_sizes`."""
-    groups = module_dp_groups(grids)
-    if language_module not in groups:
-        raise ValueError(f"grids has no {language_module!r} module (modules: {list(groups)}): reorder plans "
+    dp_groups = module_dp_groups(grids)
+    if language_module not in dp_groups:
+        raise ValueError(f"grids has no {language_module!r} module (modules: {list(dp_groups)}): reorder plans "
                          f"against the language model's DP size")
-    dl = len(groups[language_module][0])
+    dl = len(dp_groups[language_module][0])
     pp_sizes = dict(pp_sizes or {})
-    encoders = [m for m in groups if m != language_module]
+    encoders = [m for m in dp_groups if m != language_module]
     if not encoders:
         check_model_layout(encoder_pp=1, encoder_dp=dl, language_dp=dl, fixed_width_padding=fixed_width_padding)
     for name in encoders:
-        g = grids[name]
-        pp = pp_sizes.get(name, grid_dim(g, "pp") if _is_grid(g) else 1)
-        check_model_layout(encoder_pp=pp, encoder_dp=len(groups[name][0]), language_dp=dl,
+        comm_grid = grids[name]
+        pp = pp_sizes.get(name, grid_dim(comm_grid, "pp") if _is_comm_grid(comm_grid) else 1)
+        check_model_layout(encoder_pp=pp, encoder_dp=len(dp_groups[name][0]), language_dp=dl,
                            fixed_width_padding=fixed_width_padding)
-    return groups
+    return dp_groups
 
 
 def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size: int | None = None,
@@ -248,19 +248,19 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
     from reorder.exchange.exchanger import WindowExchanger
     from reorder.runtime.buffer import ReorderingBuffer
 
-    groups = check_layout(grids, pp_sizes=pp_sizes, fixed_width_padding=fixed_width_padding,
-                          language_module=language_module)
-    if module not in groups:
-        raise ValueError(f"module={module!r} is not in grids (modules: {list(groups)})")
+    dp_groups = check_layout(grids, pp_sizes=pp_sizes, fixed_width_padding=fixed_width_padding,
+                             language_module=language_module)
+    if module not in dp_groups:
+        raise ValueError(f"module={module!r} is not in grids (modules: {list(dp_groups)})")
     me = dist.get_rank() if rank is None else rank
-    _check_dp_group(groups, module, me)
+    _check_dp_group(dp_groups, module, me)
     if data_iterator is None:
         raise ValueError(f"data_iterator is None on rank {me} (module {module!r}) but reorder is on: every "
                          f"rank must load at least input_ids (see fields_to_load) to compute the cost")
     dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    rg = build_groups(groups, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
-    ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, collectives=rg.side if cfg.overlap else rg.main,
-                         device=dev, early_copy=not cfg.overlap, **cfg.exchanger_settings())  # synchronous: copy early
+    rg = build_groups(dp_groups, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
+    ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, device=dev, **cfg.exchanger_settings(),
+                         collectives=rg.side if cfg.overlap else rg.main, early_copy=not cfg.overlap)
     return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
                             ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks)
 
@@ -279,13 +279,13 @@ def _micro_batch_size(micro_batch_size: int | None, global_batch: int | None) ->
     return micro_batch_size
 
 
-def _check_dp_group(groups: dict, module: str, me: int) -> None:
+def _check_dp_group(dp_groups: dict, module: str, me: int) -> None:
     """Global rank `me` is in a DP group of `module` and, colocated, in the same one in the first
     module listing it (build_groups serves that one)."""
-    mine = [g for g in groups[module] if me in g]
+    mine = [g for g in dp_groups[module] if me in g]
     if not mine:
-        raise ValueError(f"rank {me} is in no DP group of module {module!r}: {groups[module]}")
-    for other, gl in groups.items():
+        raise ValueError(f"rank {me} is in no DP group of module {module!r}: {dp_groups[module]}")
+    for other, gl in dp_groups.items():
         theirs = [g for g in gl if me in g]
         if theirs and sorted(theirs[0]) != sorted(mine[0]):
             raise ValueError(f"rank {me} is in module {other!r} with DP group {theirs[0]} and in {module!r} with "

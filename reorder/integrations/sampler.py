@@ -80,17 +80,17 @@ class CanonicalBatchSampler:
         self.total_samples = _check_int("total_samples", total_samples, 0)
         self.micro_batch_size = B = _check_int("micro_batch_size", micro_batch_size, 1)
         self.data_parallel_size = dp = _check_int("data_parallel_size", data_parallel_size, 1)
-        self.grid_size = grid = _check_int("grid_size", grid_size, 1)
+        self.grid_size = groups = _check_int("grid_size", grid_size, 1)
         self.data_parallel_rank = rank = _check_int("data_parallel_rank", data_parallel_rank, 0)
         self.seed = _check_int("seed", seed, 0)
         if rank >= dp:
             raise ValueError(f"data_parallel_rank={rank} is out of range for data_parallel_size={dp}: must be in "
                              f"[0, {dp})")
-        if grid % dp:
-            raise ValueError(f"grid_size={grid} is not a multiple of data_parallel_size={dp}: the canonical grid G "
+        if groups % dp:
+            raise ValueError(f"grid_size={groups} is not a multiple of data_parallel_size={dp}: the canonical grid G "
                              f"must be the lcm of all module DP sizes")
-        if B % grid:
-            raise ValueError(f"micro_batch_size={B} is not a multiple of the canonical grid G={grid}")
+        if B % groups:
+            raise ValueError(f"micro_batch_size={B} is not a multiple of the canonical grid G={groups}")
         if dataloader_type not in MODES:
             raise ValueError(f"dataloader_type={dataloader_type!r}: must be one of {list(MODES)}")
         if drop_last is not True:

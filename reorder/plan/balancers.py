@@ -782,9 +782,10 @@ def exact(costs: np.ndarray, groups: int, *, fewest_moves: bool = True,
     samples away from their natural group. Same contract and canonical order as `balanced`.
 
     Two MILPs (`_AssignmentMilp`) solved by scipy.optimize.milp (HiGHS); scipy is imported on the
-    call because it is not a core dependency (pip install scipy). Stage 1 breaks the symmetry between groups (the r-th largest cost
-    may only go to groups 0..r) and is bounded by LPT's max load; stage 2 keeps every load
-    within 1e-9 (relative) of stage 1's optimum and maximises samples kept home. For small instances:
+    call because it is not a core dependency (pip install scipy). Stage 1 breaks the symmetry between
+    groups (the r-th largest cost may only go to groups 0..r) and is bounded by LPT's max load;
+    stage 2 keeps every load within 1e-9 (relative) of stage 1's optimum and maximises samples kept
+    home. For small instances:
     B <= 16 usually takes well under a second, stage 2 is the harder one, and some B ~ 32-256
     instances take minutes. Raises TimeoutError when `time_limit` (seconds, per stage) stops a stage
     before optimality is proven.
