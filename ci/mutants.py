@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ALL_TESTS = ("tests/test_grid_cost_plan.py", "tests/test_moves.py", "tests/test_packing.py",
+ALL_TESTS = ("tests/test_grid_cost_plan.py", "tests/plan/test_moves.py", "tests/batch/test_packing.py",
              "tests/test_exchange_emulated.py", "tests/test_exchange_faults.py")
 
 
@@ -111,7 +111,7 @@ MUTATIONS = [
     Mutation("gate backoff does not double", "reorder/plan/backoff.py",
              "skip=min(2 ** (run - 1), self.cap)",
              "skip=min(1, self.cap)",
-             ("tests/test_exchange_emulated.py", "tests/test_backoff.py")),
+             ("tests/test_exchange_emulated.py", "tests/plan/test_backoff.py")),
     # 9. MRoPE position_ids [3, B, S] described with batch dim 0.
     Mutation("layout position_ids batch dim 0", "reorder/batch/layout.py",
              "want = 1 if v.dim() == 3 else 0",

@@ -199,7 +199,7 @@ def test_module_import_needs_no_megatron():
     code = ("import sys; sys.modules['megatron'] = None; import reorder.integrations.megatron as m; "
             "assert 'megatron.core' not in sys.modules; print(m.dp_groups_from_grid([[0, 1]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0 and out.stdout.strip() == "[[0, 1]]", out.stderr
     assert importlib.util.find_spec("reorder.integrations.megatron") is not None
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL_DEMO = ["--micro-batch", "8", "--windows", "2", "--seq-len", "160", "--features", "4", "--mix", "small"]
 
 

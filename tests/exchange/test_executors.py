@@ -25,7 +25,7 @@ from reorder.exchange import executors as ex
 from reorder.exchange.executors import (Executor, Segments, TorchExecutor, check_bounds, launch_table,
                                         select_executor, word_width)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.uint8, torch.bool, torch.int16, torch.bfloat16, torch.float16, torch.int32, torch.float32,
           torch.int64, torch.float64]
 
@@ -275,7 +275,7 @@ def check_triton_interpreted():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton not installed (pip install triton==3.9.0 to run the kernel in its interpreter)")
 def test_triton_kernel_in_interpreter():
-    path = [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    path = [str(ROOT), str(Path(__file__).resolve().parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     code = "import test_executors as t, triton; print(triton.__version__); t.check_triton_interpreted()"
     t0 = time.perf_counter()
