@@ -60,28 +60,28 @@ MUTATIONS = [
              "j = _grouped_before(np.ones(len(key), np.int64), key)[::-1]"),
     # 3. running entry offsets inclusive instead of exclusive: every sample's rows start at its neighbour's end.
     Mutation("moves ragged offsets off by one sample", "reorder/plan/moves.py",
-             "run = np.cumsum(values) - values",
-             "run = np.cumsum(values)"),
+             "run = np.cumsum(values, axis=0) - values",
+             "run = np.cumsum(values, axis=0)"),
     # 4a. regions not padded to ALIGN.
     Mutation("moves regions not aligned", "reorder/plan/moves.py",
-             "sizes = np.stack([align(f.pre * n * f.unit) if f.kind == \"dense\" else align(totals[f.kind] * f.unit)",
-             "sizes = np.stack([(f.pre * n * f.unit) if f.kind == \"dense\" else align(totals[f.kind] * f.unit)"),
+             "sizes = align(entries[kind].T * size)",
+             "sizes = entries[kind].T * size"),
     # 4b. the leading index of a dense field (MRoPE [3, B, S]) not strided by the container's samples.
     Mutation("moves dense leading index stride dropped", "reorder/plan/moves.py",
-             "(p * pl.n[:, None] + pl.j[:, None]) * f.unit",
-             "(p + pl.j[:, None]) * f.unit"),
+             "(p * pl.n[:, None] + pl.j[:, None]) * unit",
+             "(p + pl.j[:, None]) * unit"),
     # 4c. per-image fields placed by their sample's rows.
     Mutation("moves per-image fields by row offsets", "reorder/plan/moves.py",
-             "offs = [pl.base + pl.region[:, f_i] + pl.before[f.kind] * f.unit for pl in (src, dst)]",
-             "offs = [pl.base + pl.region[:, f_i] + pl.before[\"row\"] * f.unit for pl in (src, dst)]"),
+             "pl.before[:, kind] * unit)",
+             "pl.before[:, np.minimum(kind, 1)] * unit)"),
     # 5a. spatial merge factor not squared.
     Mutation("cost merge factor not squared", "reorder/plan/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
              "merge2 = float(self.spatial_merge_size)"),
     # 5b. real-token count includes padding.
     Mutation("counting attention mask counts padding", "reorder/batch/counting.py",
-             "(m.numpy() != 0).sum(axis=1, out=out[1])",
-             "(m.numpy() >= 0).sum(axis=1, out=out[1])"),
+             "real = a != 0\n",
+             "real = a == a\n"),
     # 6. owner of a canonical group round-robin (modulo) instead of contiguous blocks (division).
     Mutation("grid owner modulo instead of division", "reorder/plan/grid.py",
              "return group // self.groups_per_rank",
