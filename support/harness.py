@@ -9,22 +9,12 @@ import numpy as np
 
 from support import checks
 from reorder.cli import synthetic as syn
+from reorder.cli.synthetic import MODULE_FIELDS, module_fields  # noqa: F401 - the harness's callers use them
 from reorder.exchange.collectives import run_emulated
 from reorder.exchange.exchanger import WindowExchanger
 from reorder.integrations.megatron import select_fields
 from reorder.plan.cost import CostModel
 from reorder.plan.grid import Grid, canonical_grid
-
-MODULE_FIELDS = {"vision": syn.VISION_FIELDS, "language": syn.LANGUAGE_FIELDS}
-
-
-def module_fields(name: str, cost: CostModel):
-    """Fields a module's ranks load: its own, plus attention_mask when the language cost needs it."""
-    fields = MODULE_FIELDS.get(name)
-    if fields is not None and cost.language_weight > 0:
-        fields = tuple(fields) + ("attention_mask",)
-    return fields
-
 
 def module_costs(global_batches, name: str, cost: CostModel) -> np.ndarray:
     """float64 [W, B]: the costs of the natural global micro-batches, computed from the fields module

@@ -81,6 +81,15 @@ def make_global_batch(rng: np.random.Generator, batch: int, seq_len: int, *, fea
 
 VISION_FIELDS = ("input_ids", "position_ids", "sample_id", "modality_inputs")
 LANGUAGE_FIELDS = ("input_ids", "labels", "loss_mask", "attention_mask", "position_ids", "sample_id")
+MODULE_FIELDS = {"vision": VISION_FIELDS, "language": LANGUAGE_FIELDS}
+
+
+def module_fields(name: str, cost) -> tuple | None:
+    """Fields a module's ranks load: its own, plus attention_mask when the language cost needs it."""
+    fields = MODULE_FIELDS.get(name)
+    if fields is not None and cost.language_weight > 0:
+        fields = tuple(fields) + ("attention_mask",)
+    return fields
 
 
 def take_samples(batch: dict, index, *, vision_start_token_id: int = VISION_START) -> dict:
