@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-model MIMO suite (issue 4 item 4) on 2 GPUs: run from the repo root on the GPU machine, with
+# Real-model MIMO suite on 2 GPUs: run from the repo root on the GPU machine, with
 # megatron-core >= 0.17 importable (e.g. the carried 0.19.2 wheel installed into /tmp/site).
 # Jobs run concurrently (the model is tiny: each job is launch-bound, not GPU-bound); each has a hard
 # timeout. Logs and JSON results go to ${OUT:-functional_tests/results}; the summary to mimo_summary.txt.

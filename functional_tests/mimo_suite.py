@@ -1,5 +1,5 @@
 """Real-model functional suite: a tiny Qwen-like Megatron-Core MIMO model (random weights) trained
-with and without reorder (issue 4, item 4).
+with and without reorder.
 
 Model (megatron-core >= 0.17, no Transformer Engine, no apex, fp32, dropout 0): a patch encoder
 (linear patch embedding + one local-spec TransformerBlock with per-image block-diagonal attention +

@@ -1,5 +1,5 @@
 """The GPU benchmarks run end to end on CPU/Gloo at toy sizes (2 real processes) and write the JSON
-keys issue 6 names, so they cannot rot between GPU runs. No figure here is a performance result."""
+keys the GPU figures are read from, so they cannot rot between GPU runs. No figure here is a performance result."""
 
 import json
 import math

@@ -167,8 +167,8 @@ def test_fault_under_torchrun(case, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [(0, 4, 8, 4), (0, 8, 8, 2), (4, 4, 8, 4)], ids=lambda x: f"v{x[0]}l{x[1]}w{x[3]}")
-def test_issue8_layouts_on_gloo(layout):
-    """The 3-8 GPU layouts of issue 8 (single module dp 4 / dp 8, vision dp 4 + language dp 4), on Gloo."""
+def test_larger_layouts_on_gloo(layout):
+    """Layouts of 4-8 GPUs (one module at dp 4 or dp 8, vision dp 4 + language dp 4), on Gloo."""
     dv, dl, b, w = layout
     result = gloo_suite.launch(["--vision-dp", str(dv), "--language-dp", str(dl), "--micro-batch", str(b),
                                 "--window", str(w), "--micro-batches", "6"], dv + dl)
