@@ -187,3 +187,112 @@ def gate_backoff_skips(fully_gated, max_skip):
         run = run + 1 if gated else 0
         left = min(2 ** (run - 1), max_skip) if run and max_skip else 0
     return skips
+
+
+def gate_keeps_natural(before, after, min_gain=None, min_saving=None):
+    """Cost-benefit gate for one slot, `before` / `after` the max group load of the natural / the
+    planned assignment: True when the plan does not pay, so the slot keeps its natural order.
+    A plan pays only if it passes every threshold that is set: relative gain 1 - after / before
+    (0 when before is 0) above `min_gain`, and saving before - after above `min_saving`."""
+    if min_gain is not None:
+        gain = 1.0 - after / before if before > 0 else 0.0
+        if gain <= min_gain:
+            return True
+    if min_saving is not None and before - after <= min_saving:
+        return True
+    return False
+
+
+def gated_orders(costs, planned, groups, min_gain=None, min_saving=None):
+    """The gate over a window: per slot, `planned[s]` if it pays, else the natural order.
+    Returns (orders, gated) as lists."""
+    orders, gated = [], []
+    for row, order in zip(costs, planned):
+        natural = list(range(len(row)))
+        before = max(group_loads(row, natural, groups))
+        after = max(group_loads(row, order, groups))
+        keep = gate_keeps_natural(before, after, min_gain, min_saving)
+        gated.append(keep)
+        orders.append(natural if keep else list(order))
+    return orders, gated
+
+
+def equal_count_optimum(costs, groups):
+    """(minimal max group load, fewest samples away from their natural group among the plans that
+    reach it) over every assignment of B costs to G groups of B/G each, by enumeration (tiny B
+    only). A group's load is the correctly rounded sum of its costs (math.fsum)."""
+    n = len(costs)
+    m = n // groups
+    best = [math.inf, math.inf]
+    members = [[] for _ in range(groups)]
+
+    def place(i, moved):
+        if i == n:
+            load = max(math.fsum(g) for g in members)
+            if (load, moved) < tuple(best):
+                best[:] = [load, moved]
+            return
+        for j in range(groups):
+            if len(members[j]) < m:
+                members[j].append(costs[i])
+                place(i + 1, moved + (j != i // m))
+                members[j].pop()
+
+    place(0, 0)
+    return best[0], best[1]
+
+
+def moved_samples(order, groups):
+    """Samples whose group changed under a canonical order (sample i naturally in group i // (B/G))."""
+    m = len(order) // groups
+    return sum(1 for p, i in enumerate(order) if p // m != i // m)
+
+
+def lower_bound_families(costs, groups):
+    """Lower bounds on the minimal max group load under equal counts (m = B/G per group), by family,
+    each a sum over costs sorted descending (s) divided by a count; `lower_bound` is their max:
+
+    - "mean": the total over G;
+    - "largest": with m == 1, the largest cost;
+    - "pair": with m == 2, the optimum itself: largest with smallest, second with second smallest...;
+    - "pigeon": for k < m, some group holds k+1 of the k*G+1 largest costs (the k+1 smallest of
+      them at least) plus m-k-1 others (the smallest costs at least);
+    - "pigeon_r": for k < m and r <= G with k*G+r <= B, r groups together hold r*(k+1) of the
+      k*G+r largest costs (the smallest of them at least) plus r*(m-k-1) others, over r;
+    - "spread": for every t, the t largest costs lie in some u groups (t/m <= u <= min(t, G)), whose
+      u*m - t other slots hold at least the smallest costs: the lowest such average over u.
+    Plain Python on exact values (integer costs give exact results)."""
+    n = len(costs)
+    m = n // groups
+    s = sorted(costs, reverse=True)
+    smallest = sorted(costs)
+    out = {"mean": sum(s) / groups}
+    if m == 1:
+        out["largest"] = s[0]
+        return out
+    if m == 2:
+        out["pair"] = max(s[i] + s[2 * groups - 1 - i] for i in range(groups))
+        return out
+    out["pigeon"] = max(sum(s[k * groups - k:k * groups + 1]) + sum(smallest[:m - 1 - k]) for k in range(m))
+    pigeon_r = []
+    for k in range(m):
+        for r in range(1, groups + 1):
+            size = k * groups + r
+            if size <= n:
+                pigeon_r.append((sum(s[size - r * (k + 1):size]) + sum(smallest[:r * (m - k - 1)])) / r)
+    out["pigeon_r"] = max(pigeon_r)
+    spread = []
+    for t in range(1, n + 1):
+        spread.append(min((sum(s[:t]) + sum(smallest[:u * m - t])) / u
+                          for u in range(1, groups + 1) if u <= t <= u * m))
+    out["spread"] = max(spread)
+    return out
+
+
+def sums_are_exact(costs):
+    """True when every cost is a multiple of 2**-20 and max cost * B < 2**32: then every sum of
+    the costs is exact in float64 (at most 52 significant bits)."""
+    from fractions import Fraction
+    if not costs or not max(costs) * len(costs) < 2 ** 32:
+        return False
+    return all((Fraction(c) * 2 ** 20).denominator == 1 for c in costs)
