@@ -393,7 +393,7 @@ def vlm_costs(rng, n, kind):
 
 
 SHAPES = [(2, 2), (3, 2), (3, 3), (4, 2), (5, 2), (2, 5), (2, 7), (2, 8), (4, 4), (8, 2), (8, 4), (6, 5), (16, 4),
-          (3, 10), (2, 9), (16, 16), (32, 8), (64, 16), (8, 32), (2, 128)]
+          (3, 10), (2, 9), (16, 16), (32, 8), (64, 16), (8, 32), (2, 128), (16, 8), (64, 4), (3, 40)]   # G*m*m = 1024: small; m > 32
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -405,6 +405,25 @@ def test_balanced_is_the_spec_plan(seed):
         groups, m = SHAPES[i % len(SHAPES)]
         c = vlm_costs(rng, groups * m, (i + seed) % 6)
         assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups), (seed, i, groups, m)
+
+
+@pytest.mark.parametrize("groups, m, seed, kind", [
+    (24, 10, 32, "lognormal"), (33, 8, 42, "lognormal"),  # plans that depend on how many light groups the
+    (3, 36, 26, "pareto"),                                # polishing swaps try: K = max(1, min(G-1, 2048 // m**2))
+    (6, 16, 15203, "tied"),                               # the search ends exactly at LPT's max: no LPT restart
+])
+def test_balanced_is_the_spec_plan_on_large_edge_instances(groups, m, seed, kind):
+    rng = np.random.default_rng(seed)
+    n = groups * m
+    c = {"lognormal": lambda: np.round(rng.lognormal(np.log(2500), 0.8, n)),
+         "pareto": lambda: np.round(500 * (rng.pareto(1.5, n) + 1)),
+         "tied": lambda: rng.choice([0.0, 1.0, 5.0, 20.0], n)}[kind]()
+    assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups)
+
+
+def test_lpt_with_one_group():
+    assert bal.lpt(np.array([1.0, 2.0]), 1).tolist() == [1, 0] == ref.lpt_order([1.0, 2.0], 1)
+    assert bal.lpt(np.array([0.0, 3, 1]), 1).tolist() == [1, 2, 0] == ref.lpt_order([0.0, 3, 1], 1)
 
 
 @given(st.sampled_from([(2, 2), (2, 3), (3, 2), (3, 3), (4, 2), (5, 2), (2, 6), (4, 3), (3, 4), (8, 2), (4, 4),
@@ -532,3 +551,67 @@ def test_lpt_partition_and_max_are_the_spec_ones():
             visit = np.argsort(-c, kind="stable")
             assert bal._lpt_members(c, groups).tolist() == [sorted(r) for r in members]
             assert bal._lpt_max(c, groups, visit) == top
+
+
+PHASES = {"coarse": lambda M, C, L, theta: (M, C), "pair_rounds": lambda *a: None, "batched_rounds": lambda *a: None,
+          "improve": lambda *a: None}
+
+
+@pytest.mark.parametrize("off", [("coarse",), ("pair_rounds",), ("batched_rounds",), ("improve",),
+                                 ("coarse", "pair_rounds", "batched_rounds"), tuple(PHASES)])
+def test_balanced_is_the_spec_plan_with_phases_switched_off(monkeypatch, off):
+    """The same phases switched off in both: the later phases (the LPT restart and its search, the
+    exhaustive correction, return-home) meet the plans that the earlier ones would have repaired."""
+    for name in off:
+        monkeypatch.setattr(bal, "_" + name, PHASES[name])
+        monkeypatch.setattr(spec_bal, name, PHASES[name])
+    rng = np.random.default_rng(len(off))
+    for i, (groups, m) in enumerate([(5, 2), (3, 3), (4, 2), (3, 2), (5, 2), (4, 4), (16, 8), (32, 8), (16, 16),
+                                     (64, 4), (20, 13), (8, 32), (3, 40)]):
+        c = vlm_costs(rng, groups * m, i % 6)
+        assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups), (off, groups, m, i)
+
+
+def test_resplit_labels_by_the_first_256_optimal_candidates():
+    """40 groups of 3, the heaviest [10, 10, 10] and 39 of [5, 5, 5]: 9 optimal re-splits per partner,
+    351 in all; the labelling is chosen among the first 256 (the spec's rule), which here misses a
+    later candidate keeping more samples home."""
+    G, m = 40, 3
+    c = np.full(120, 5.0)
+    c[[117, 118, 0]] = 10.0
+    rest = [i for i in range(120) if i not in (117, 0, 118, 84, 119, 86)]
+    rest = rest[3:] + rest[:3]                                         # nobody else at home
+    rows = [rest[3 * k:3 * k + 3] for k in range(38)]
+    M = np.array(rows[:28] + [[84, 119, 86]] + rows[28:] + [[117, 0, 118]], dtype=np.int64)
+    C = c[M]
+    L = bal._row_sums(C)
+    state = as_lists(M, C, L)
+    assert bal._resplit(M, C, L, 2, [math.inf]) is spec_bal.resplit(*state, 2, [math.inf]) is True
+    same(state, M, C, L)
+    assert M[39].tolist() == [117, 0, 119] and M[28].tolist() == [118, 84, 86]
+
+
+@pytest.mark.parametrize("kind", range(3))
+def test_filtered_two_group_resplit_on_zeros_and_large_rounding_totals(kind):
+    """The filter's margin is relative to the row total: all zeros (margin 0) and totals of 10**4 with
+    sums that round must still keep every optimal partition."""
+    for m in (7, 8):
+        rng = np.random.default_rng(kind * 10 + m)
+        u = [np.zeros(2 * m), rng.choice([100.1, 200.2, 300.3, 700.7, 1100.1, 2200.2], 2 * m),
+             rng.choice([0.1, 0.2, 0.3], 2 * m) * 1e5 + rng.choice([0.0, 0.1, 0.2], 2 * m)][kind][None, :]
+        pmax = bal._partition_max(u, 2, m)
+        rows, parts = np.nonzero(pmax == pmax.min())
+        best, r, p = bal._best_partitions(u, 2, m, len(pmax[0]))
+        assert best == pmax.min() and np.array_equal(r, rows) and np.array_equal(p, parts)
+
+
+@pytest.mark.parametrize("groups, deltas, base", [(2, (0, 0, 0, 0, 1, 1), 333303699983),
+                                                  (3, (0, 0, 0, 1, 1, 2), 499955549974)])
+def test_a_natural_plan_within_the_margin_of_the_bound_is_kept_by_the_search(groups, deltas, base):
+    """The natural max load is exactly lb * (1 + 1e-12) (lb = 999911099950, the max one more): the
+    search does not start, and the plan is the spec's (here the LPT fallback, which is exactly lb)."""
+    c = np.array([base + d for d in deltas], dtype=np.float64)
+    lb = bal.quick_lower_bound(c, groups)
+    natural = max(math.fsum(r) for r in c.reshape(groups, -1).tolist())
+    assert lb == 999911099950.0 and natural == lb * (1 + 1e-12) == lb + 1
+    assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups)
