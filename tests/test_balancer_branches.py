@@ -615,3 +615,13 @@ def test_a_natural_plan_within_the_margin_of_the_bound_is_kept_by_the_search(gro
     natural = max(math.fsum(r) for r in c.reshape(groups, -1).tolist())
     assert lb == 999911099950.0 and natural == lb * (1 + 1e-12) == lb + 1
     assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups)
+
+
+def test_lpt_restart_searches_with_the_large_instance_partners(monkeypatch):
+    """64 x 16 with the first phases off: the first search ends above LPT's max load, and the search
+    from LPT's partition (with K = 2048 // 16**2 = 8 partners) decides the plan."""
+    for name in ("coarse", "pair_rounds", "batched_rounds"):
+        monkeypatch.setattr(bal, "_" + name, PHASES[name])
+        monkeypatch.setattr(spec_bal, name, PHASES[name])
+    c = np.round(np.random.default_rng(45).lognormal(np.log(2500), 0.8, 64 * 16))
+    assert bal.balanced(c, 64).tolist() == spec_bal.balanced(c.tolist(), 64)
