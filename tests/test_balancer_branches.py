@@ -625,3 +625,24 @@ def test_lpt_restart_searches_with_the_large_instance_partners(monkeypatch):
         monkeypatch.setattr(spec_bal, name, PHASES[name])
     c = np.round(np.random.default_rng(45).lognormal(np.log(2500), 0.8, 64 * 16))
     assert bal.balanced(c, 64).tolist() == spec_bal.balanced(c.tolist(), 64)
+
+
+@pytest.mark.parametrize("groups, m, kind, seed, iters, K", [
+    (5, 3, "integers", 30, 8, 1),       # a successful three-group re-split, then the search goes on
+    (3, 4, "lognormal", 32, 64, 2),     # m = 4: the three-group re-split is still tried
+    (3, 4, "pareto", 53, 3, 1),         # the iteration budget is shared by every round of the loop
+])
+def test_improve_rounds_are_the_spec_ones(groups, m, kind, seed, iters, K):
+    rng = np.random.default_rng(seed)
+    n = groups * m
+    c = {"integers": lambda: rng.integers(0, 20, n).astype(float),
+         "lognormal": lambda: np.round(rng.lognormal(np.log(2500), 0.8, n)),
+         "pareto": lambda: np.round(500 * (rng.pareto(1.5, n) + 1))}[kind]()
+    M = rng.permutation(n).reshape(groups, m).astype(np.int64)
+    C = c[M]
+    L = bal._row_sums(C)
+    state = as_lists(M, C, L)
+    target = spec_bal.cheap_lower_bound(sorted(c.tolist(), reverse=True), groups, m) * (1 + 5e-4)
+    bal._improve(M, C, L, target, iters, K)
+    spec_bal.improve(*state, target, iters, K)
+    same(state, M, C, L)
