@@ -40,24 +40,49 @@ def _pre_unit(f: DenseField) -> tuple:
 
 
 def field_buffers(layout: BatchLayout, shard: Shard, blobs: list) -> list:
-    """The shard's buffers in `byte_fields` order: each field as contiguous bytes (a copy only when
-    the field is not contiguous) and the concatenated pickled list entries `blobs` (host bytes)."""
-    out = [_bytes(shard.dense[f.path]) for f in layout.dense]
-    out += [_bytes(shard.ragged[f.path]) for f in layout.ragged]
+    """The shard's buffers in `byte_fields` order: each field's tensor, contiguous (a copy only
+    when it is not; executors read any contiguous tensor as its bytes), and the concatenated
+    pickled list entries `blobs` (a host uint8 tensor)."""
+    out = [shard.dense[f.path].contiguous() for f in layout.dense]
+    out += [shard.ragged[f.path].contiguous() for f in layout.ragged]
     if layout.lists:
         data = b"".join(blobs)
         out.append(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
     return out
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view(-1).view(torch.uint8)
+def empty_shard(layout: BatchLayout, counts: SampleCounts, device: torch.device) -> tuple:
+    """(shard, buffers): a shard of the samples counted by `counts` [n] with every field allocated,
+    uninitialized, on `device`, and its buffers in `byte_fields` order, to be written by an
+    executor (laid out like `field_buffers`; the list field is a uint8 buffer of the samples'
+    pickled list bytes, decoded by `read_lists` once written)."""
+    n = counts.shape[0]
+    shard, buffers = Shard(n=n), []
+    for f in layout.dense:
+        shard.dense[f.path] = t = torch.empty(f.full_shape(n), dtype=f.dtype, device=device)
+        buffers.append(t)
+    totals = {"row": int(counts.rows.sum()), "image": int(counts.images.sum())}
+    for f in layout.ragged:
+        shard.ragged[f.path] = t = torch.empty((totals[f.per], *f.entry_shape), dtype=f.dtype, device=device)
+        buffers.append(t)
+    if layout.ragged:
+        shard.row_counts, shard.image_counts = torch.from_numpy(counts.rows.copy()), torch.from_numpy(counts.images.copy())
+    if layout.lists:
+        buffers.append(torch.empty(int(counts.list_bytes.sum()), dtype=torch.uint8, device=device))
+    return shard, buffers
+
+
+def read_lists(shard: Shard, buffer: torch.Tensor, counts: SampleCounts) -> None:
+    """Unpickle the samples' list entries from a written list buffer of `empty_shard` into `shard`."""
+    raw = bytes(buffer.cpu().numpy())  # one device-to-host copy
+    ends = np.cumsum([0] + counts.list_bytes.tolist())
+    shard.lists = [pickle.loads(raw[a:b]) for a, b in zip(ends[:-1].tolist(), ends[1:].tolist())]
 
 
 def view_block(layout: BatchLayout, block: torch.Tensor, regions: np.ndarray, counts: SampleCounts) -> Shard:
     """The b samples written into `block` (uint8, the wire format; field regions at byte offsets
-    `regions`) as a shard of typed views; counts [b]: the samples' rows, images and list bytes."""
+    `regions` of `block`, e.g. a block inside a larger buffer) as a shard of typed views; counts
+    [b]: the samples' rows, images and list bytes."""
     n = counts.shape[0]
     out = Shard(n=n)
     at = iter(regions.tolist())

@@ -3,7 +3,8 @@
 Per window: count (`reorder.batch`), one metadata all-gather of the window frame (`reorder.plan.wire`;
 before the first window, once, the config frame), the same plan on every rank
 (`reorder.plan.window`), this rank's move list (`reorder.plan.moves`), pack by an executor
-(`reorder.exchange.executors`), one ragged all_to_all, assemble by the executor, report. A local
+(`reorder.exchange.executors`), one ragged all_to_all, assemble by the executor into output fields
+allocated as typed tensors, report. A local
 validation error travels in the all-gather so every rank raises the same ReorderError. A module of
 DP size 1 runs the same steps without collectives.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reorder.batch.blocks import byte_fields, field_buffers, resolved, unit_bytes, view_block
+from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, read_lists, resolved, unit_bytes
 from reorder.batch.layout import LayoutError, describe, field_at, grid_thw_of, rebuild, unify
 from reorder.exchange.collectives import Collectives
 from reorder.exchange.executors import select_executor
@@ -340,20 +341,16 @@ class WindowExchanger:
 
     def _assemble(self, batches, layout, window, moves, buffers) -> list:
         """The output micro-batches: slots that are this rank's own, in order, stay as they are (moved
-        to `device` as reorder off would); the others are written into one new block and viewed."""
+        to `device` as reorder off would); the others are allocated field by field and written."""
         dev = self._target(window)
-        todo = np.flatnonzero(~moves.kept)
         out = [_fields_to(b, self._paths, dev) if self.device is not None else b for b in batches]
-        if len(todo):
-            whole = torch.empty(int(moves.block_bytes[todo].sum()), dtype=torch.uint8, device=dev)
-            blocks = list(torch.split(whole, moves.block_bytes[todo].tolist()))
-            at = np.full(len(moves.kept), -1)
-            at[todo] = np.arange(len(todo))  # kept slots have no segments: blocks are numbered among the rest
-            a = moves.assemble
-            segs = type(a).trusted(a.src_buf, a.src_off, at[a.dst_buf], a.dst_off, a.nbytes)
-            self._executor(dev).run(segs, buffers, blocks)
-            for s, block in zip(todo.tolist(), blocks):
-                shard = view_block(layout, block, moves.regions[s], SampleCounts(moves.out_counts.table[s]))
+        todo = np.flatnonzero(~moves.kept).tolist()
+        if todo:
+            made = [empty_shard(layout, SampleCounts(moves.out_counts.table[s]), dev) for s in todo]
+            self._executor(dev).run(moves.assemble, buffers, [t for _, bufs in made for t in bufs])
+            for s, (shard, bufs) in zip(todo, made):
+                if layout.lists:
+                    read_lists(shard, bufs[-1], SampleCounts(moves.out_counts.table[s]))
                 out[s] = rebuild(batches[s], layout, shard)
         return out
 

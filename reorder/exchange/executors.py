@@ -109,7 +109,7 @@ class TorchExecutor:
     def run(self, segments: Segments, sources: list[torch.Tensor],
             destinations: list[torch.Tensor]) -> None:
         check_bounds(segments, sources, destinations)
-        s = segments.take(segments.nbytes > 0)
+        s = segments.merged()  # each segment costs a copy_ here: fuse the contiguous ones first
         if not len(s):
             return
         src_at, dst_at = _placement(sources), _placement(destinations)

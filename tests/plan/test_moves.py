@@ -1,7 +1,7 @@
 """The move list against a byte-level oracle: every rank packs its own samples, the pieces travel
-as an all_to_all would carry them, every rank assembles, and each output block holds exactly the
-samples the spec's reassembly gives that rank, byte for byte, in the wire format of `piece_layout`;
-the wire order per peer is the spec's route order."""
+as an all_to_all would carry them, every rank assembles, and each output field buffer holds exactly
+the samples the spec's reassembly gives that rank, byte for byte; the wire order per peer is the
+spec's route order."""
 
 import numpy as np
 import torch
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from reorder.exchange.executors import TorchExecutor
 from reorder.plan.counts import SampleCounts
-from reorder.plan.moves import ALIGN, ByteField, build_moves
+from reorder.plan.moves import ByteField, build_moves
 from reorder.plan.window import WindowPlan, inverse
 from spec import reference as ref
 
@@ -77,16 +77,6 @@ def own_buffers(samples, fields, w, batch, dp, rank):
     return bufs
 
 
-def block_oracle(samples, fields, ids):
-    """The piece of samples `ids` (canonical order) in the wire format: regions padded with zeros."""
-    out = b""
-    for fi, f in enumerate(fields):
-        pre = f.pre if f.kind == "dense" else 1
-        region = b"".join(samples[g][fi][p] for p in range(pre) for g in ids)
-        out += region + b"\0" * (-len(region) % ALIGN)
-    return out
-
-
 @given(windows())
 def test_every_rank_assembles_its_canonical_samples_byte_for_byte(case):
     dp, fields, counts, plan, seed = case
@@ -104,32 +94,30 @@ def test_every_rank_assembles_its_canonical_samples_byte_for_byte(case):
     for r in range(dp):
         assert [sends[q][r].numel() for q in range(dp)] == moves[r].recv_splits
         recv = torch.cat([sends[q][r] for q in range(dp)])
-        blocks = [torch.full((int(n),), 7, dtype=torch.uint8) for n in moves[r].block_bytes]
-        ex.run(moves[r].assemble, [recv] + own_buffers(samples, fields, w, batch, dp, r), blocks)
+        todo = np.flatnonzero(~moves[r].kept)
+        outs = [torch.full((_field_bytes(f, moves[r].out_counts, s),), 7, dtype=torch.uint8)
+                for s in todo for f in fields]
+        ex.run(moves[r].assemble, [recv] + own_buffers(samples, fields, w, batch, dp, r), outs)
         for s in range(w):
             canon = (flat_order[s * batch + r * b: s * batch + (r + 1) * b] if plan.cross_slot
                      else ref.reassemble([list(o) for o in plan.orders], [[s * batch + j for j in range(batch)]
                                                                           for s in range(w)], batch, dp, r)[s])
             own = [s * batch + r * b + i for i in range(b)]
             assert moves[r].kept[s] == ([int(g) for g in canon] == own)
-            if moves[r].kept[s]:  # returned as it is: no segment may write its block
-                assert not (moves[r].assemble.dst_buf == s).any()
+            assert moves[r].out_counts.table[s].tolist() == counts.flat().table[[int(g) for g in canon]].tolist()
+            if moves[r].kept[s]:  # returned as it is: no output buffers, nothing written
                 continue
-            want = block_oracle(samples, fields, [int(g) for g in canon])
-            got = bytes(blocks[s].numpy())
-            assert len(got) == len(want) == int(moves[r].block_bytes[s])
-            # padding bytes are not written: compare the regions
-            assert _regions(got, fields, moves[r], s) == _regions(want, fields, moves[r], s)
+            k = int(np.searchsorted(todo, s))
+            for fi, f in enumerate(fields):  # every byte of every output buffer written, as the oracle says
+                want = b"".join(samples[g][fi][p] for p in range(f.pre if f.kind == "dense" else 1)
+                                for g in [int(g) for g in canon])
+                assert bytes(outs[k * len(fields) + fi].numpy()) == want
 
 
-def _regions(block, fields, moves, s):
-    at = list(moves.regions[s]) + [int(moves.block_bytes[s])]
-    ent = moves.out_counts
-    out = []
-    for fi, f in enumerate(fields):
-        n = ent.entries(f.kind)[s].sum() if f.kind != "dense" else ent.shape[1] * f.pre
-        out.append(block[at[fi]:at[fi] + int(n) * f.unit])
-    return out
+def _field_bytes(f, out_counts, s):
+    """Bytes of field f's output buffer of slot s."""
+    n = out_counts.shape[1] * f.pre if f.kind == "dense" else int(out_counts.entries(f.kind)[s].sum())
+    return n * f.unit
 
 
 @given(windows())
