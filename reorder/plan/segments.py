@@ -48,7 +48,7 @@ class Segments:
             a = np.asarray(v)
             if a.size and not np.issubdtype(a.dtype, np.integer):
                 raise ValueError(f"Segments.{f} must hold integers, got dtype {a.dtype}")
-            arrays[f] = a.astype(np.int64).reshape(-1) if a.size else np.zeros(0, np.int64)
+            arrays[f] = a.astype(np.int64).reshape(-1)
         return cls(**arrays)
 
     @classmethod

@@ -80,20 +80,22 @@ def encode_config(values: dict) -> np.ndarray:
 
 
 def config_mismatch(gathered: np.ndarray) -> str | None:
-    """The error text for the first field that differs across the gathered config frames [dp,
-    CONFIG_WORDS] (naming each value and its ranks), or None when every rank has the same config."""
-    if (gathered == gathered[0]).all():
-        return None
+    """The error text for the first field whose words differ across the gathered config frames [dp,
+    CONFIG_WORDS] (naming each distinct value and its ranks), or None when every rank sent the same
+    frame. Fields are compared word for word, not by value: 0.0 and -0.0 differ, as their bits do."""
     if (gathered[:, 0] != MAGIC).any():
         return "the DP group is not all running reorder: a rank sent a metadata frame without its magic number"
     at = 1
     for f in CONFIG:
-        col = [_decode(f, row[at:at + f.words]) for row in gathered]
+        words = gathered[:, at:at + f.words]
         at += f.words
-        if any(v != col[0] for v in col[1:]):
+        if (words != words[0]).any():
+            ranks = {}  # the words of each distinct value -> (those words, the ranks that sent them)
+            for q, row in enumerate(words):
+                ranks.setdefault(row.tobytes(), (row, []))[1].append(q)
             return (f"config mismatch across the DP group: {f.name} is "
-                    + ", ".join(f"{v!r} on ranks {[q for q, x in enumerate(col) if x == v]}" for v in dict.fromkeys(col)))
-    raise AssertionError("config frames differ outside every field")  # unreachable: every word belongs to a field
+                    + ", ".join(f"{_decode(f, row)!r} on ranks {qs}" for row, qs in ranks.values()))
+    return None
 
 
 def text_of(words: np.ndarray) -> str:
@@ -120,7 +122,7 @@ def encode_window(frame: np.ndarray, *, error: str | None, slots: int, layout: s
 def window_problem(gathered: np.ndarray) -> tuple[str | None, list | None]:
     """(error text, layout signatures) from the gathered window frames [dp, window_words]: the error
     every rank must raise (a rank's own error, or micro-batch counts that differ), else None; and,
-    when layouts differ, each rank's signature (ranks with an empty window left out: None there),
+    when the window is not empty and the layout checksums differ, each rank's layout signature,
     else None."""
     head = gathered[:, :TEXT_AT]
     failed = np.flatnonzero(head[:, 1])

@@ -31,7 +31,16 @@ def test_doubles_up_to_its_cap_and_resets_when_a_window_moves():
     assert skips([True, True, False, True, False], 8) == [False, True, False, False, True]
 
 
-@pytest.mark.parametrize("cap", [-1, 1.5, True, "2"])
+@pytest.mark.parametrize("cap", [-1, 1.5, True, "2", None])
 def test_cap_must_be_a_non_negative_integer(cap):
-    with pytest.raises(ValueError, match=f"gate_backoff={cap!r} is invalid"):
+    with pytest.raises(ValueError) as e:
         Backoff(cap)
+    assert str(e.value) == f"gate_backoff={cap!r} is invalid: windows skipped after gated ones must be an integer >= 0"
+
+
+def test_states():
+    assert Backoff(0).planned(True) == Backoff(0)  # never skips, never counts
+    assert Backoff(3).planned(True) == Backoff(3, run=1, skip=1)
+    assert Backoff(3, run=2, skip=0).planned(True) == Backoff(3, run=3, skip=3)  # min(2**2, 3)
+    assert Backoff(3, run=2, skip=0).planned(False) == Backoff(3)
+    assert Backoff(3, run=3, skip=2).skipped() == Backoff(3, run=3, skip=1)
