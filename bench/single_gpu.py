@@ -7,6 +7,8 @@ Keys (JSON, printed as a table; times are medians over --reps, side by side in o
 - dp1_exchange_ms / to_device_ms / dp1_over_to_device_ms: a micro-batch of 4 from pinned host
   memory reordered onto the device (permuted windows), against `.to(device)` of every field (what
   reorder off does), synchronized; the difference is what reordering adds;
+- dp1_early_copy_ms / dp1_early_copy_over_to_device_ms: the same with `early_copy=True` (each
+  field copied to the device by DMA as soon as the micro-batch is counted, under the planning);
 - dp1_perm_ms_mb4: the same micro-batch already on the device, permuted, synchronized;
 - host_ms_per_window: host time of that device-resident window's exchange call (count, plan, move
   list, pack and reassembly launches), not synchronized;
@@ -58,12 +60,16 @@ def dp1(args, dev) -> dict:
     pinned = [syn.pin(g) for g in host] if dev.type == "cuda" else host
     resident = [syn.to_device(g, dev) for g in host]
     ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
+    early = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
+                            device=dev, early_copy=True)
     k = iter(range(10**9))
     res = dict(dp1_exchange_ms=median_ms(lambda: ex.exchange([pinned[next(k) % 8]]), args.reps, sync, warmup=1),
+               dp1_early_copy_ms=median_ms(lambda: early.exchange([pinned[next(k) % 8]]), args.reps, sync, warmup=1),
                to_device_ms=median_ms(lambda: syn.to_device(pinned[next(k) % 8], dev, non_blocking=True),
                                       args.reps, sync, warmup=1),
                dp1_perm_ms_mb4=median_ms(lambda: ex.exchange([resident[next(k) % 8]]), args.reps, sync, warmup=1))
     res["dp1_over_to_device_ms"] = res["dp1_exchange_ms"] - res["to_device_ms"]
+    res["dp1_early_copy_over_to_device_ms"] = res["dp1_early_copy_ms"] - res["to_device_ms"]
     sync()
     host_ms = []
     for i in range(args.reps):
