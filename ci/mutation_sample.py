@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Mutation testing of the pure core with mutmut 3.8.1 (configured in pyproject.toml [tool.mutmut]).
 
-    python ci/mutation_sample.py sample [--count 60] [--seed REV] [--jobs 2]
+    python ci/mutation_sample.py sample [--count 60] [--seed REV] [--jobs 2] [GLOB...]
         CI check: a sample of the mutants, drawn with the commit hash as the seed, run against the
         fast tests; fails (exit 1) when one survives (or has no test) and is not on the reviewed
         list ci/mutation/equivalent.txt, or when a listed mutant's diff changed (the list is stale).
+        GLOBs (mutmut name patterns, e.g. 'reorder.plan.wire.*') draw from the matching mutants only.
     python ci/mutation_sample.py summary [--seconds S]
         Write ci/mutation/summary.md and summary.json from the verdicts in mutants/ (ci/mutation.sh
         runs mutmut, then this).
@@ -24,6 +25,7 @@ equivalent.txt: one mutant per line, `NAME FINGERPRINT reason`; `#` starts a com
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import hashlib
 import json
@@ -190,10 +192,13 @@ def all_names() -> list:
     return sorted(name for path, v in verdicts().items() if path in files for name in v)
 
 
-def sample(count: int, seed: str, jobs: int) -> int:
+def sample(count: int, seed: str, jobs: int, patterns: list) -> int:
     in_root()
     t0 = time.time()
-    names = all_names()
+    names = [n for n in all_names() if not patterns or any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if not names:
+        print(f"mutation sample: no mutant matches {patterns}")
+        return 2
     picked = sorted(random.Random(seed).sample(names, min(count, len(names))))
     print(f"mutation sample: {len(picked)} of {len(names)} mutants, seed {seed}", flush=True)
     run = subprocess.run([mutmut_bin(), "run", "--max-children", str(jobs), *picked],
@@ -231,6 +236,7 @@ def main(argv=None) -> int:
     s.add_argument("--count", type=int, default=int(os.environ.get("MUTATION_SAMPLE", 60)))
     s.add_argument("--seed", default=None, help="default: the commit hash (git rev-parse HEAD)")
     s.add_argument("--jobs", type=int, default=int(os.environ.get("MUTATION_JOBS", 2)))
+    s.add_argument("patterns", nargs="*", metavar="GLOB", help="draw only from mutants whose names match")
     m = sub.add_parser("summary")
     m.add_argument("--seconds", type=float, default=None)
     sh = sub.add_parser("show")
@@ -240,7 +246,7 @@ def main(argv=None) -> int:
     if a.cmd == "sample":
         seed = a.seed or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True).stdout.strip() or "0"
-        return sample(a.count, seed, a.jobs)
+        return sample(a.count, seed, a.jobs, a.patterns)
     if a.cmd == "summary":
         summary(a.seconds)
         return 0
