@@ -83,19 +83,20 @@ def config_mismatch(gathered: np.ndarray) -> str | None:
     """The error text for the first field whose words differ across the gathered config frames [dp,
     CONFIG_WORDS] (naming each distinct value and its ranks), or None when every rank sent the same
     frame. Fields are compared word for word, not by value: 0.0 and -0.0 differ, as their bits do."""
+    if (gathered == gathered[0]).all():
+        return None
     if (gathered[:, 0] != MAGIC).any():
         return "the DP group is not all running reorder: a rank sent a metadata frame without its magic number"
     at = 1
     for f in CONFIG:
-        words = gathered[:, at:at + f.words]
+        ranks = {}  # the words of each distinct value -> (those words, the ranks that sent them)
+        for q, row in enumerate(gathered[:, at:at + f.words]):
+            ranks.setdefault(row.tobytes(), (row, []))[1].append(q)
         at += f.words
-        if (words != words[0]).any():
-            ranks = {}  # the words of each distinct value -> (those words, the ranks that sent them)
-            for q, row in enumerate(words):
-                ranks.setdefault(row.tobytes(), (row, []))[1].append(q)
+        if len(ranks) > 1:
             return (f"config mismatch across the DP group: {f.name} is "
                     + ", ".join(f"{_decode(f, row)!r} on ranks {qs}" for row, qs in ranks.values()))
-    return None
+    # not reached: the frames differ, the magic numbers do not, and every other word is a field's
 
 
 def text_of(words: np.ndarray) -> str:

@@ -118,9 +118,12 @@ class Messages(TestCase):
         f[1, 0] = 0
         self.assertExpectedInline(wire.config_mismatch(f),
                                   """the DP group is not all running reorder: a rank sent a metadata frame without its magic number""")
-        f[:, 0] = 12345  # every rank equally without it
-        self.assertEqual(wire.config_mismatch(f), wire.config_mismatch(f[:1]))
-        self.assertIn("without its magic number", wire.config_mismatch(f[:1]))
+        f[2, 5] += 1  # and a field differs too: the magic number is what is reported
+        self.assertIn("without its magic number", wire.config_mismatch(f))
+        f[:, 0] = 12345  # identical frames, even without it: nothing to disagree about
+        f[2, 5] -= 1
+        self.assertIsNone(wire.config_mismatch(f))
+        self.assertIsNone(wire.config_mismatch(f[:1]))
 
 
 def same_words(kind, a, b):
