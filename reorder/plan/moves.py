@@ -68,7 +68,7 @@ class MoveList:
 
 def align(n):
     """Round up to a multiple of ALIGN (ints or int64 arrays)."""
-    return (np.asarray(n, dtype=np.int64) + ALIGN - 1) // ALIGN * ALIGN
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class _Columns(NamedTuple):
@@ -99,7 +99,7 @@ def piece_layout(fields: tuple, n: np.ndarray, totals: np.ndarray) -> tuple:
     """(region offsets [P, F], sizes [P]) of P pieces of n[p] samples holding totals[kind - 1, p]
     entries of each ragged kind (row, image, list)."""
     cols = _columns(tuple(fields))
-    entries = np.vstack([np.asarray(n, dtype=np.int64)[None, :], np.asarray(totals, dtype=np.int64)])
+    entries = np.vstack([n, totals])
     sizes = align(entries[cols.field_kind].T * cols.field_size)
     regions = np.cumsum(sizes, axis=1) - sizes
     return regions, sizes.sum(axis=1)
@@ -110,16 +110,14 @@ def _grouped_before(values: np.ndarray, group: np.ndarray) -> np.ndarray:
     run = np.cumsum(values, axis=0) - values
     if not len(values):
         return run
-    new = np.empty(len(group), bool)
-    new[0], new[1:] = True, group[1:] != group[:-1]
-    starts = np.flatnonzero(new)
+    starts = np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]]))
     return run - np.repeat(run[starts], np.diff(np.append(starts, len(values))), axis=0)
 
 
 def _before_in_runs(values: np.ndarray, run: int) -> np.ndarray:
     """Exclusive running sum of `values` [n, K] within consecutive runs of `run` rows (n % run == 0):
     the entries before each sample in a shard or output block of `run` samples."""
-    v = values.reshape(-1, run, values.shape[-1])
+    v = values.reshape(len(values) // run, run, len(KINDS))
     return (np.cumsum(v, axis=1) - v).reshape(values.shape)
 
 
@@ -155,7 +153,7 @@ def _segments(fields, entries: np.ndarray, src: _Place, dst: _Place) -> Segments
     table[2] = dst.buf[:, None] + cols.field * dst.per_field[:, None]
     table[3] = _offsets(dst, cols)
     table[4] = entries[:, cols.kind] * cols.unit
-    return Segments.trusted(*table.reshape(5, -1))
+    return Segments.trusted(*table.reshape(5, table[0].size))
 
 
 def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int) -> MoveList:
@@ -163,25 +161,25 @@ def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int
     w, batch = plan.orders.shape
     dp, nf = plan.dp, len(fields)
     b = batch // dp
-    ids = np.arange(w * batch, dtype=np.int64)
+    ids = np.arange(w * batch)
     src_slot, src_pos = ids // batch, ids % batch
     src_rank, dst_rank = src_pos // b, plan.dest_pos // b
     local = src_pos - src_rank * b
-    table = counts.table.reshape(w * batch, -1)
+    table = counts.flat().table
     entries = _entries(table)
     own_before = _before_in_runs(entries, b)  # every (slot, rank) shard is a run of b natural ids
 
     def own_place(items, first_buffer):  # a rank's own buffers: one per (slot, field)
         n = len(items)
-        return _Place(first_buffer + src_slot[items] * nf, np.zeros(n, np.int64), np.full(n, b, np.int64),
-                      local[items], own_before[items], np.zeros((n, nf), np.int64), np.ones(n, np.int64))
+        return _Place(first_buffer + src_slot[items] * nf, np.full(n, 0), np.full(n, b), local[items],
+                      own_before[items], np.full((n, nf), 0), np.full(n, 1))
 
     def wire_order(sel, peer):  # peer, then destination slot, then canonical position
         return ids[sel][np.lexsort((plan.dest_pos[sel], plan.dest_slot[sel], peer[sel]))]
 
     send = recv = ids[:0]
     send_sizes = recv_sizes = np.zeros(dp * w, np.int64)
-    pack = Segments.trusted(*np.zeros((5, 0), np.int64))
+    pack = Segments.trusted(*(ids[:0] for _ in range(5)))
     if plan.moves_anything and dp > 1:  # else nothing crosses ranks: no pieces, no pack, no all_to_all
         send = wire_order((src_rank == rank) & (dst_rank != rank), dst_rank)
         recv = wire_order((dst_rank == rank) & (src_rank != rank), src_rank)
@@ -201,13 +199,12 @@ def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int
         in_recv[recv] = np.arange(len(recv))
         src = _combine(src_rank[items] == rank, src, got, in_recv[items])
     n = len(items)
-    dst = _Place(np.repeat(np.arange(n // b), b) * nf, np.zeros(n, np.int64), np.full(n, b, np.int64),
-                 np.tile(np.arange(b), n // b), _before_in_runs(out_entries, b), np.zeros((n, nf), np.int64),
-                 np.ones(n, np.int64))
+    dst = _Place(np.repeat(np.arange(n // b), b) * nf, np.full(n, 0), np.full(n, b), np.tile(np.arange(b), n // b),
+                 _before_in_runs(out_entries, b), np.full((n, nf), 0), np.full(n, 1))
     return MoveList(pack=pack, assemble=_segments(fields, out_entries, src, dst),
                     send_splits=send_sizes.reshape(dp, w).sum(axis=1).tolist(),
                     recv_splits=recv_sizes.reshape(dp, w).sum(axis=1).tolist(),
-                    out_counts=SampleCounts(table[out].reshape(w, b, -1)), kept=kept,
+                    out_counts=SampleCounts(table[out].reshape(w, b, len(COLUMNS))), kept=kept,
                     send_items=_split(send, dst_rank[send], dp), recv_items=_split(recv, src_rank[recv], dp))
 
 
@@ -217,7 +214,7 @@ _ENTRY_COLUMNS = [COLUMNS.index(c) for c in ("rows", "images", "list_bytes")]  #
 def _entries(table: np.ndarray) -> np.ndarray:
     """int64 [samples, kinds]: per sample of a flat counts table [samples, columns], entries of a
     field of each kind (1 for dense)."""
-    out = np.ones((len(table), len(KINDS)), np.int64)
+    out = np.full((len(table), len(KINDS)), 1)
     out[:, 1:] = table[:, _ENTRY_COLUMNS]
     return out
 
@@ -229,15 +226,15 @@ def _pieces(fields, entries: np.ndarray, key: np.ndarray, n_keys: int):
     totals = np.stack([np.bincount(key, weights=entries[:, c], minlength=n_keys) for c in range(1, len(KINDS))])
     regions, sizes = piece_layout(fields, n, totals.astype(np.int64))
     starts = np.cumsum(sizes) - sizes
-    j = _grouped_before(np.ones(len(key), np.int64), key)
-    zeros = np.zeros(len(key), np.int64)
+    j = _grouped_before(np.full(len(key), 1), key)
+    zeros = np.full(len(key), 0)
     return _Place(zeros, starts[key], n[key], j, _grouped_before(entries, key), regions[key], zeros), sizes
 
 
 def _combine(own: np.ndarray, a: _Place, b: _Place, index: np.ndarray) -> _Place:
     """Per item, `a`'s entry where `own`, else `b`'s entry at `index` (items of `a` and the index
     are aligned; `b` holds the received items in wire order)."""
-    return _Place(*(np.where(own.reshape(-1, *[1] * (x.ndim - 1)), x, y[index]) for x, y in zip(a, b)))
+    return _Place(*(np.where(own.reshape(len(own), *[1] * (x.ndim - 1)), x, y[index]) for x, y in zip(a, b)))
 
 
 def _split(items: np.ndarray, peer: np.ndarray, dp: int) -> tuple:
@@ -261,19 +258,20 @@ class TakeList:
 def take_moves(fields: tuple, counts: SampleCounts, sizes: list, index) -> TakeList:
     """The copy of samples `index` (into the concatenation of sources holding sizes[i] samples each,
     counts [sum(sizes)]) into one block in the wire format, any index (repeats, subsets) allowed."""
-    index = np.asarray(index, dtype=np.int64).reshape(-1)
-    sizes = np.asarray(sizes, dtype=np.int64)
+    index = np.asarray(index).astype(np.int64).ravel()
+    sizes = np.asarray(sizes).astype(np.int64)
     source = np.repeat(np.arange(len(sizes)), sizes)
     first = np.cumsum(sizes) - sizes
-    entries = _entries(counts.table.reshape(-1, counts.table.shape[-1]))
+    table = counts.flat().table
+    entries = _entries(table)
     before = _grouped_before(entries, source)
     n, nf = len(index), len(fields)
-    src = _Place(source[index] * nf, np.zeros(n, np.int64), sizes[source[index]], index - first[source[index]],
-                 before[index], np.zeros((n, nf), np.int64), np.ones(n, np.int64))
+    src = _Place(source[index] * nf, np.full(n, 0), sizes[source[index]], index - first[source[index]],
+                 before[index], np.full((n, nf), 0), np.full(n, 1))
     out = entries[index]
     regions, block = piece_layout(fields, np.array([n]), out[:, 1:].sum(axis=0)[:, None])
-    zeros = np.zeros(n, np.int64)
-    dst = _Place(zeros, zeros, np.full(n, n, np.int64), np.arange(n), _grouped_before(out, zeros),
+    zeros = np.full(n, 0)
+    dst = _Place(zeros, zeros, np.full(n, n), np.arange(n), _grouped_before(out, zeros),
                  np.repeat(regions, n, axis=0), zeros)
     return TakeList(segments=_segments(fields, out, src, dst), regions=regions[0], block_bytes=int(block[0]),
-                    out_counts=SampleCounts(counts.table.reshape(-1, counts.table.shape[-1])[index]))
+                    out_counts=SampleCounts(table[index]))

@@ -123,21 +123,21 @@ class WindowPlan(LoadFigures):
 
 def spreads(loads: np.ndarray) -> np.ndarray:
     """float64 [W]: max / mean per-rank load of every slot of loads [W, dp] (1.0 where a slot has no load)."""
-    loads = np.asarray(loads, dtype=np.float64)
+    loads = np.asarray(loads)
     mean = loads.mean(axis=1)
     return np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
 
 
 def spread(loads: np.ndarray) -> float:
     """Mean over slots of max / mean per-rank load (slots with no load left out; 1.0 when none has)."""
-    loads = np.asarray(loads, dtype=np.float64)
+    loads = np.asarray(loads)
     ok = loads.mean(axis=1) > 0
     return float(spreads(loads)[ok].mean()) if ok.any() else 1.0
 
 
 def inverse(orders: np.ndarray) -> np.ndarray:
     """Canonical position of every natural index, per slot: pos[s, order[s, p]] = p."""
-    orders = np.asarray(orders, dtype=np.int64)
+    orders = np.asarray(orders)
     pos = np.empty_like(orders)
     pos[np.arange(orders.shape[0])[:, None], orders] = np.arange(orders.shape[1])[None, :]
     return pos
@@ -160,17 +160,17 @@ def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: Pla
     w, batch = costs.shape
     cross = settings.cross_slot and w > 1
     if cross:  # one assignment over W x G cells: the window is one batch of W*B samples
-        order, gated = plan_gated_orders(costs.reshape(1, -1), grid.groups * w, settings.balancer,
+        order, gated = plan_gated_orders(costs.reshape(1, costs.size), grid.groups * w, settings.balancer,
                                          settings.min_gain, settings.min_saving)
         orders, gated = order.reshape(w, batch), np.repeat(gated, w)
         flat_pos = inverse(order)[0]  # canonical position in the window's one order
         dest_slot, dest_pos = flat_pos // batch, flat_pos % batch
-        after = costs.reshape(-1)[order[0]].reshape(w, grid.dp, batch // grid.dp).sum(axis=2)
+        after = costs.ravel()[order[0]].reshape(w, grid.dp, batch // grid.dp).sum(axis=2)
     else:
         orders, gated = plan_gated_orders(costs, grid.groups, settings.balancer, settings.min_gain,
                                           settings.min_saving)
-        dest_slot = np.repeat(np.arange(w, dtype=np.int64), batch)
-        dest_pos = inverse(orders).reshape(-1)
+        dest_slot = np.repeat(np.arange(w), batch)
+        dest_pos = inverse(orders).ravel()
         after = rank_loads(costs, orders, grid.dp)
     b = batch // grid.dp
     src_rank = np.tile(np.arange(batch) // b, w)

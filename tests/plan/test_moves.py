@@ -3,6 +3,7 @@ as an all_to_all would carry them, every rank assembles, and each output field b
 the samples the spec's reassembly gives that rank, byte for byte; the wire order per peer is the
 spec's route order."""
 
+import expecttest
 import numpy as np
 import torch
 from hypothesis import given
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from reorder.exchange.executors import TorchExecutor
 from reorder.plan.counts import SampleCounts
-from reorder.plan.moves import ByteField, build_moves
+from reorder.plan.moves import ByteField, build_moves, piece_layout, take_moves
 from reorder.plan.window import WindowPlan, inverse
 from spec import reference as ref
 
@@ -134,3 +135,52 @@ def test_wire_order_is_the_spec_route_order(case):
             want_recv = [] if q == r else [s * batch + i for s, i in recvs[q]]
             assert moves.send_items[q].tolist() == want_send
             assert moves.recv_items[q].tolist() == want_recv
+
+
+@given(windows())
+def test_send_and_receive_lists_name_every_peer_and_nothing_crosses_at_dp_1(case):
+    dp, fields, counts, plan, _ = case
+    for r in range(dp):
+        moves = build_moves(fields, counts, plan, r)
+        assert len(moves.send_items) == len(moves.recv_items) == len(moves.send_splits) == dp
+        if dp == 1:  # a local permutation: no piece, no pack segment, nothing sent
+            assert len(moves.pack) == 0 and moves.send_splits == moves.recv_splits == [0]
+
+
+def test_piece_layout_golden():
+    """Regions start at multiples of ALIGN (16): a dense field of pre x unit bytes per sample, then
+    the row, image and list regions sized by the pieces' totals."""
+    fields = (ByteField("dense", 3, 5), ByteField("dense", 1, 16), ByteField("row", 1, 7), ByteField("image", 1, 24),
+              ByteField("list", 1, 1))
+    regions, sizes = piece_layout(fields, np.array([1, 2, 0]), np.array([[3, 0, 1], [1, 2, 0], [17, 0, 16]]))
+    expecttest.assert_expected_inline(str(regions.tolist()), """[[0, 16, 32, 64, 96], [0, 32, 64, 64, 112], [0, 0, 0, 16, 16]]""")
+    expecttest.assert_expected_inline(str(sizes.tolist()), """[128, 112, 32]""")
+
+
+@given(st.data())
+def test_take_moves_copies_any_selection_byte_for_byte(data):
+    fields = (ByteField("dense", 2, 3), ByteField("row", 1, 5), ByteField("image", 1, 2), ByteField("list", 1, 1))
+    sizes = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    total = sum(sizes)
+    ints = st.lists(st.integers(0, 3), min_size=total, max_size=total)
+    counts = SampleCounts.of(rows=np.array(data.draw(ints)), images=np.array(data.draw(ints)),
+                             list_bytes=np.array(data.draw(ints)))
+    index = data.draw(st.lists(st.integers(0, total - 1), max_size=5))  # repeats and subsets
+    samples = sample_bytes(np.random.default_rng(len(index)), fields, counts)
+    buffers, first = [], 0
+    for n in sizes:  # one buffer per (source, field), a field's samples as the batch holds them
+        ids = range(first, first + n)
+        for fi, f in enumerate(fields):
+            data_ = b"".join(samples[g][fi][p] for p in range(f.pre if f.kind == "dense" else 1) for g in ids)
+            buffers.append(torch.frombuffer(bytearray(data_ + b"\0"), dtype=torch.uint8)[:len(data_)].clone())
+        first += n
+    take = take_moves(fields, counts, sizes, index)
+    block = torch.zeros(take.block_bytes, dtype=torch.uint8)
+    TorchExecutor().run(take.segments, buffers, [block])
+    assert take.out_counts.table.tolist() == counts.table[index].tolist()
+    got = bytes(block.numpy())
+    ends = list(take.regions[1:]) + [take.block_bytes]
+    for fi, f in enumerate(fields):
+        want = b"".join(samples[g][fi][p] for p in range(f.pre if f.kind == "dense" else 1) for g in index)
+        assert got[take.regions[fi]:take.regions[fi] + len(want)] == want
+        assert take.regions[fi] % 16 == 0 and take.regions[fi] + len(want) <= ends[fi]

@@ -127,6 +127,31 @@ def test_inverse_and_spreads_by_hand():
     assert spreads(loads).tolist() == [1.5, 1.0, 1.0]
     assert spread(loads) == 1.25  # the slot with no load is left out
     assert spread(np.zeros((2, 3))) == 1.0
+    small = [[0.5, 0.25], [0, 0]]  # loads below 1 (costs in ms or seconds): still loads
+    assert spreads(small).tolist() == [0.5 / 0.375, 1.0]
+    assert spread(small) == 0.5 / 0.375
+    assert spreads([[3, 1]]).tolist() == [1.5]  # integer loads
+
+
+def test_quadratic_cost_reaches_the_plan():
+    quad = CostModel(image_token_id=7, vision_start_token_id=6, encoder_weight=1.0, encoder_quadratic_weight=0.5)
+    counts = SampleCounts.of(placeholders=np.array([[2, 2, 0, 0]]), square_patches=np.array([[64, 4, 0, 0]]),
+                             real_tokens=np.zeros((1, 4), np.int64))
+    plan = plan_window(counts, quad, Grid(groups=2, dp=2, rank=0), PlanSettings(balancer="lpt"))
+    assert plan.costs.tolist() == [[8.0 + 32.0, 8.0 + 2.0, 0.0, 0.0]]  # patches = 2 x merge 2 squared
+
+
+@pytest.mark.parametrize("gate", [dict(min_saving=1.0), dict(min_gain=0.1), dict(min_gain=0.1, min_saving=1e9)])
+def test_cross_slot_gate_uses_every_threshold(gate):
+    """Slots of costs [20, 20] and [0, 0] at G = 1: naturally one cell holds 40, planned across
+    slots each holds 20 (gain 0.5, saving 20); the gate decides on the flat window by every
+    threshold set (the third case fails on the saving alone), as the spec's gate does."""
+    counts = SampleCounts.of(placeholders=np.array([[5, 5], [0, 0]]), real_tokens=np.zeros((2, 2), np.int64))
+    plan = plan_window(counts, COST, Grid(groups=1, dp=1, rank=0), PlanSettings(balancer="lpt", cross_slot=True, **gate))
+    flat = [c for row in spec_costs(counts) for c in row]
+    orders, gated = ref.gated_orders([flat], [ref.lpt_order(flat, 2)], 2, gate.get("min_gain"), gate.get("min_saving"))
+    assert plan.orders.reshape(-1).tolist() == orders[0]
+    assert plan.gated.tolist() == gated * 2
 
 
 @pytest.mark.parametrize("field,value,message", [
