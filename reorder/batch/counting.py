@@ -51,35 +51,31 @@ def _counts_numpy(model, input_ids, attention_mask, squares, grid_thw):
 
 
 def _counts_torch(model, input_ids, attention_mask, squares, grid_thw):
-    b = len(input_ids)
-    tokens = _token_pair(input_ids.device, model.image_token_id, model.vision_start_token_id)
-    hits = input_ids.unsqueeze(-1) == tokens  # [B, S, 2]: placeholder, vision start
-    parts = [hits.sum(dim=1).reshape(-1)]  # [B * 2], sample-major
-    check_mask = attention_mask is not None and attention_mask.dtype != torch.bool
-    if attention_mask is not None:
-        real = attention_mask != 0
-        parts.append(real.sum(dim=1))
-        if check_mask:  # 1 if any entry is not 0 or 1: rides in the same host copy
-            parts.append((attention_mask != real).any().reshape(1).to(torch.int64))
+    b, s = input_ids.shape
+    device = input_ids.device
+    hits = input_ids.unsqueeze(-1) == _pair(device, model.image_token_id, model.vision_start_token_id)
+    parts = [hits.sum(dim=1)]  # [B, 2]: placeholders, vision starts
+    if attention_mask is not None:  # [B, 2]: ones (real tokens) and zeros; all S of them prove a 0/1 mask
+        parts.append((attention_mask.unsqueeze(-1) == _pair(attention_mask.device, 1, 0)).sum(dim=1))
     if squares:
-        parts.append(_square_runs_torch(hits[..., 0]) * model.spatial_merge_size ** 4)
-    ride = grid_thw is not None and grid_thw.device == input_ids.device  # travels in the same host copy
-    if ride:
-        parts.append(grid_thw.reshape(-1).to(torch.int64))
-    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # the one host sync
-    out, at = np.zeros((4, b), dtype=np.int64), 2 * b
-    out[[0, 2]] = host[:at].reshape(b, 2).T
+        parts.append((_square_runs_torch(hits[..., 0]) * model.spatial_merge_size ** 4).unsqueeze(1))
+    table = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, k]
+    ride = grid_thw is not None and grid_thw.device == device  # travels in the same host copy
+    flat = torch.cat([table.view(-1), grid_thw.reshape(-1).to(torch.int64)]) if ride else table
+    host = flat.cpu().numpy()  # the one host sync
+    k = table.shape[1]
+    t = host[:b * k].reshape(b, k)
+    out = np.zeros((4, b), dtype=np.int64)
+    out[0], out[2] = t[:, 0], t[:, 1]
     if attention_mask is not None:
-        out[1], at = host[at:at + b], at + b
-        if check_mask:
-            if host[at]:
-                raise _mask_values_error(attention_mask)
-            at += 1
+        if (t[:, 2] + t[:, 3] != s).any():
+            raise _mask_values_error(attention_mask)
+        out[1] = t[:, 2]
     if squares:
-        out[3], at = host[at:at + b], at + b
+        out[3] = t[:, -1]
     if grid_thw is None:
         return out, None
-    return out, host[at:].reshape(tuple(grid_thw.shape)) if ride else grid_thw.to("cpu", torch.int64).numpy()
+    return out, host[b * k:].reshape(tuple(grid_thw.shape)) if ride else grid_thw.to("cpu", torch.int64).numpy()
 
 
 def _check_input_ids(input_ids):
@@ -141,15 +137,16 @@ def square_patches(model, input_ids: torch.Tensor) -> torch.Tensor:
     return (_square_runs_torch(m) * merge4).cpu()
 
 
-_TOKENS = {}  # (device, image_token_id, vision_start_token_id) -> int64 [2] on that device
+_PAIRS = {}  # (device, first, second) -> int64 [2] on that device
 
 
-def _token_pair(device, image_token_id: int, vision_start_token_id: int) -> torch.Tensor:
-    """The two token ids as a tensor on `device`, made once (no host-to-device copy per call)."""
-    key = (device, image_token_id, vision_start_token_id)
-    t = _TOKENS.get(key)
+def _pair(device, first: int, second: int) -> torch.Tensor:
+    """Two integers as a tensor on `device`, made once (no host-to-device copy per call): the token
+    ids counted, or the mask values 1 and 0."""
+    key = (device, first, second)
+    t = _PAIRS.get(key)
     if t is None:
-        t = _TOKENS[key] = torch.tensor([image_token_id, vision_start_token_id], device=device)
+        t = _PAIRS[key] = torch.tensor([first, second], device=device)
     return t
 
 

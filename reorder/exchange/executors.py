@@ -241,8 +241,9 @@ class TritonExecutor:
 
     def _check_devices(self, segments: Segments, sources, destinations) -> torch.device:
         """The device to launch on; ValueError for buffers the kernel cannot address."""
-        used_dst = np.unique(segments.dst_buf[segments.nbytes > 0]).tolist()
-        used_src = np.unique(segments.src_buf[segments.nbytes > 0]).tolist()
+        live = segments.nbytes > 0
+        used_dst = np.flatnonzero(np.bincount(segments.dst_buf[live], minlength=len(destinations))).tolist()
+        used_src = np.flatnonzero(np.bincount(segments.src_buf[live], minlength=len(sources))).tolist()
         device = destinations[used_dst[0]].device
         want = "cpu" if self.interpret else "cuda"
         for i in used_dst:
