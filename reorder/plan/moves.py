@@ -147,13 +147,14 @@ def _segments(fields, entries: np.ndarray, src: _Place, dst: _Place) -> Segments
     contiguous segments is the executor's business: it pays for per-segment copies, not for one
     launch over a table.)"""
     cols = _columns(tuple(fields))
-    table = np.empty((5, len(src.buf), len(cols.field)), np.int64)  # rows: Segments' five arrays
+    items, columns = len(src.buf), len(cols.field)
+    table = np.empty((5, items, columns), np.int64)  # rows: Segments' five arrays
     table[0] = src.buf[:, None] + cols.field * src.per_field[:, None]
     table[1] = _offsets(src, cols)
     table[2] = dst.buf[:, None] + cols.field * dst.per_field[:, None]
     table[3] = _offsets(dst, cols)
     table[4] = entries[:, cols.kind] * cols.unit
-    return Segments.trusted(*table.reshape(5, table[0].size))
+    return Segments.trusted(*table.reshape(5, items * columns))
 
 
 def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int) -> MoveList:
@@ -239,8 +240,7 @@ def _combine(own: np.ndarray, a: _Place, b: _Place, index: np.ndarray) -> _Place
 
 def _split(items: np.ndarray, peer: np.ndarray, dp: int) -> tuple:
     """Per peer, its items (in wire order, grouped by peer)."""
-    bounds = np.searchsorted(peer, np.arange(dp + 1))
-    return tuple(items[bounds[q]:bounds[q + 1]] for q in range(dp))
+    return tuple(np.split(items, np.searchsorted(peer, np.arange(1, dp))))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -125,7 +125,7 @@ def spreads(loads: np.ndarray) -> np.ndarray:
     """float64 [W]: max / mean per-rank load of every slot of loads [W, dp] (1.0 where a slot has no load)."""
     loads = np.asarray(loads)
     mean = loads.mean(axis=1)
-    return np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+    return np.divide(loads.max(axis=1), mean, out=np.ones(len(mean)), where=mean > 0)
 
 
 def spread(loads: np.ndarray) -> float:
@@ -143,7 +143,7 @@ def inverse(orders: np.ndarray) -> np.ndarray:
     return pos
 
 
-def window_costs(counts: SampleCounts, cost: CostModel, given: bool = False) -> np.ndarray:
+def window_costs(counts: SampleCounts, cost: CostModel, given: bool) -> np.ndarray:
     """float64 [W, B]: the cost of every sample of the window (`given`: the caller's, carried in counts)."""
     if given:
         return counts.given_costs
