@@ -1,8 +1,9 @@
 """dp-1 reordering on one GPU, byte-exact: a dp-1 module (one process, no collective) permutes
-realistic micro-batches that come (a) from pinned host memory, (b) device-resident, (c) with
-grid_thw left on the host and `device=None`; every output sample must equal the input sample the
-report's canonical order names, bit for bit (spec.samples), on `--device`. Also times (a) against
-what reorder off does with the same batch (every tensor `.to(device)`).
+realistic micro-batches that come (a) from pinned host memory, with and without `early_copy`,
+(b) device-resident, (c) with grid_thw left on the host and `device=None`; every output sample must
+equal the input sample the report's canonical order names, bit for bit (spec.samples), on
+`--device`. Also times (a), both ways, against what reorder off does with the same batch (every
+tensor `.to(device)`).
 
   python functional_tests/dp1_cuda.py [--device cuda] [--features 1176] [--mix realistic]
 
@@ -49,10 +50,11 @@ def main():
             d["modality_inputs"]["images"]["vit"], grid_thw=g["modality_inputs"]["images"]["vit"]["grid_thw"])}})
             for d, g in zip(on_dev, host)]
         pinned = [pin(g) for g in host]
-        cases = {"pinned host -> device": (pinned, dev), "device-resident": (on_dev, dev),
-                 "grid_thw on host, device None": (mixed, None)}
-        for name, (batches, target) in cases.items():
-            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=target)
+        cases = {"pinned host -> device": (pinned, dev, False), "pinned host -> device, early_copy": (pinned, dev, True),
+                 "device-resident": (on_dev, dev, False), "grid_thw on host, device None": (mixed, None, False)}
+        for name, (batches, target, early) in cases.items():
+            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=target,
+                                 early_copy=early)
             for k, batch in enumerate(batches):
                 (out,), rep = ex.exchange([batch])
                 got = per_sample_bytes(syn.to_device(out, "cpu"), vision_start_token_id=syn.VISION_START)
@@ -64,9 +66,13 @@ def main():
         ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev)
         k = iter(range(10**9))
         timings[f"mb{mb}_from_pinned_ms"] = median_ms(lambda: ex.exchange([pinned[next(k) % 4]]), args.reps, sync)
+        early = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev,
+                                early_copy=True)
+        timings[f"mb{mb}_from_pinned_early_copy_ms"] = median_ms(lambda: early.exchange([pinned[next(k) % 4]]),
+                                                                 args.reps, sync)
         timings[f"mb{mb}_to_device_ms"] = median_ms(lambda: syn.to_device(pinned[next(k) % 4], dev, non_blocking=True),
                                                     args.reps, sync)
-    ok = not bad and checked == 24
+    ok = not bad and checked == 32
     print("RESULT", dict(ok=ok, checked=checked, mismatches=bad, **{k: round(v, 3) for k, v in timings.items()}))
     sys.exit(0 if ok else 1)
 
