@@ -9,6 +9,7 @@
 #   MUTATION_JOBS=16 ci/mutation.sh          parallel workers (default 1: one core)
 #   MUTATION_RESUME=1 ci/mutation.sh         go on with the mutants that have no verdict yet (after an
 #                                            interrupted run)
+#   MUTATION_COMMIT=abc1234 ...              the commit named in the summary (default: git rev-parse HEAD)
 #   MUTATION_TIME_LIMIT=840 ...              stop mutmut after that many seconds (SIGINT: verdicts so far
 #                                            are kept), then write the summary: long runs in chunks
 #

@@ -159,7 +159,8 @@ def summary(seconds: float | None):
     checked = totals["mutants"] - totals["not_checked"] - totals["equivalent"]
     totals["score"] = round(100.0 * (totals["killed"] + totals["timeout"]) / checked, 2) if checked else None
     totals["equivalent_share"] = round(100.0 * totals["equivalent"] / totals["mutants"], 2) if totals["mutants"] else 0
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = os.environ.get("MUTATION_COMMIT") or subprocess.run(  # a copy of the tree may carry stale git metadata
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {"mutmut": "3.8.1", "commit": rev, "seconds": seconds, "files": dict(rows), "total": totals,
            "survivors": survivors, "stale_equivalents": stale}
     OUT.mkdir(parents=True, exist_ok=True)
