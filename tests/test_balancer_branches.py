@@ -646,3 +646,15 @@ def test_improve_rounds_are_the_spec_ones(groups, m, kind, seed, iters, K):
     bal._improve(M, C, L, target, iters, K)
     spec_bal.improve(*state, target, iters, K)
     same(state, M, C, L)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_plan_does_not_depend_on_the_cost_unit(seed):
+    """Costs in seconds, ms or patches plan alike: scaling every cost by a power of two scales every
+    float sum exactly, so a large instance (B >= 256: the evict-and-refill phase runs) gets the same
+    plan, also when its total cost is below one unit."""
+    costs = np.random.default_rng(seed).lognormal(0.0, 0.8, 512) * 2.0 ** -10
+    plan = bal.balanced(costs, 32)
+    assert_plan(plan, 512, 32)
+    for scale in (2.0 ** 8, 2.0 ** 20, 2.0 ** 40):
+        assert bal.balanced(costs * scale, 32).tolist() == plan.tolist()
