@@ -183,4 +183,4 @@ def test_dp1_script_checks_bytes_on_cpu():
     res = subprocess.run([sys.executable, str(root / "functional_tests" / "dp1_cuda.py"), "--device", "cpu",
                           "--features", "8", "--seq-len", "256", "--reps", "2"], cwd=root, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
-    assert res.returncode == 0 and "'ok': True" in res.stdout and "'checked': 24" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "'ok': True" in res.stdout and "'checked': 32" in res.stdout, res.stdout + res.stderr
