@@ -56,24 +56,28 @@ MUTATIONS = [
              "return ids[sel][np.lexsort((plan.dest_pos[sel], peer[sel]))]"),
     # 2b. samples inside a piece indexed in reverse arrival order.
     Mutation("moves index inside a piece reversed", "reorder/plan/moves.py",
-             "j = _grouped_before(np.ones(len(key), np.int64), key)",
-             "j = _grouped_before(np.ones(len(key), np.int64), key)[::-1]"),
-    # 3. running entry offsets inclusive instead of exclusive: every sample's rows start at its neighbour's end.
+             "j = _grouped_before(np.full(len(key), 1), key)",
+             "j = _grouped_before(np.full(len(key), 1), key)[::-1]"),
+    # 3. running entry offsets inclusive instead of exclusive: every sample's rows start at its neighbour's end
+    #    (in a piece on the wire; in a shard or an output slot).
     Mutation("moves ragged offsets off by one sample", "reorder/plan/moves.py",
              "run = np.cumsum(values, axis=0) - values",
              "run = np.cumsum(values, axis=0)"),
+    Mutation("moves shard offsets off by one sample", "reorder/plan/moves.py",
+             "return (np.cumsum(v, axis=1) - v).reshape(values.shape)",
+             "return np.cumsum(v, axis=1).reshape(values.shape)"),
     # 4a. regions not padded to ALIGN.
     Mutation("moves regions not aligned", "reorder/plan/moves.py",
-             "sizes = align(entries[kind].T * size)",
-             "sizes = entries[kind].T * size"),
+             "sizes = align(entries[cols.field_kind].T * cols.field_size)",
+             "sizes = entries[cols.field_kind].T * cols.field_size"),
     # 4b. the leading index of a dense field (MRoPE [3, B, S]) not strided by the container's samples.
     Mutation("moves dense leading index stride dropped", "reorder/plan/moves.py",
-             "(p * pl.n[:, None] + pl.j[:, None]) * unit",
-             "(p + pl.j[:, None]) * unit"),
+             "(cols.p * pl.n[:, None] + pl.j[:, None]) * cols.unit",
+             "(cols.p + pl.j[:, None]) * cols.unit"),
     # 4c. per-image fields placed by their sample's rows.
     Mutation("moves per-image fields by row offsets", "reorder/plan/moves.py",
-             "pl.before[:, kind] * unit)",
-             "pl.before[:, np.minimum(kind, 1)] * unit)"),
+             "pl.before[:, cols.kind] * cols.unit)",
+             "pl.before[:, np.minimum(cols.kind, 1)] * cols.unit)"),
     # 5a. spatial merge factor not squared.
     Mutation("cost merge factor not squared", "reorder/plan/cost.py",
              "merge2 = float(self.spatial_merge_size * self.spatial_merge_size)",
@@ -100,8 +104,8 @@ MUTATIONS = [
              "frame[:TEXT_AT] = (MAGIC, 0, slots,"),
     # 8b. a slot whose output is not this rank's own in order is taken as kept (returned unchanged).
     Mutation("moves keep every slot", "reorder/plan/moves.py",
-             "minlength=w) == b",
-             "minlength=w) >= 0"),
+             "[:, None] + np.arange(b)).all(axis=1)",
+             "[:, None] + np.arange(b)).all(axis=1) | True"),
     # 8c. the driver never advances the gate backoff: it plans windows the other modules skip.
     Mutation("gate backoff not advanced", "reorder/exchange/exchanger.py",
              "self.backoff, self._paths = self.backoff.planned(plan.fully_gated), _paths(layout)",
