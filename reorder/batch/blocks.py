@@ -81,8 +81,7 @@ def read_lists(shard: Shard, buffer: torch.Tensor, counts: SampleCounts) -> None
 
 def view_block(layout: BatchLayout, block: torch.Tensor, regions: np.ndarray, counts: SampleCounts) -> Shard:
     """The b samples written into `block` (uint8, the wire format; field regions at byte offsets
-    `regions` of `block`, e.g. a block inside a larger buffer) as a shard of typed views; counts
-    [b]: the samples' rows, images and list bytes."""
+    `regions`) as a shard of typed views; counts [b]: the samples' rows, images and list bytes."""
     n = counts.shape[0]
     out = Shard(n=n)
     at = iter(regions.tolist())
