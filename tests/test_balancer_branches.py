@@ -371,25 +371,7 @@ def test_check_costs_returns_contiguous_float64():
 # --- the whole plan and every phase against the step-by-step spec (spec/balanced.py) ---------------
 
 from spec import balanced as spec_bal  # noqa: E402
-
-
-def vlm_costs(rng, n, kind):
-    """Patch-count-like costs (bimodal, lognormal, heavy tail), rounding floats, plain floats, ties."""
-    if kind == 0:
-        c = np.where(rng.random(n) < 0.4, rng.normal(9000, 1500, n), rng.normal(1200, 300, n))
-        c[rng.random(n) < 0.1] = 0
-    elif kind == 1:
-        c = rng.lognormal(np.log(2500), 0.8, n)
-    elif kind == 2:
-        c = 500 * (rng.pareto(2.0, n) + 1)
-        c[rng.random(n) < 0.1] = 0
-    elif kind == 3:
-        return rng.integers(0, 4, n) * 0.1 + 1.0
-    elif kind == 4:
-        return rng.random(n) * 100
-    else:
-        return rng.integers(0, 20, n).astype(float)
-    return np.round(np.maximum(c, 0))
+from support.costs import vlm_costs  # noqa: E402
 
 
 SHAPES = [(2, 2), (3, 2), (3, 3), (4, 2), (5, 2), (2, 5), (2, 7), (2, 8), (4, 4), (8, 2), (8, 4), (6, 5), (16, 4),

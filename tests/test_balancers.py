@@ -15,6 +15,7 @@ from reorder import plan_orders
 from reorder.plan.balancers import (BALANCERS, balanced, check_costs, exact, get_balancer, lower_bound, lpt,
                                     quick_lower_bound)
 from spec import reference as ref
+from support.costs import vlm_costs
 
 def needs_scipy(fn):  # scipy is part of the `test` extra: exact() must be tested, never skipped
     return fn
@@ -39,19 +40,6 @@ def assert_plan(order, n, groups):
     assert sorted(o.tolist()) == list(range(n))                       # permutation: nothing lost
     rows = o.reshape(groups, n // groups)                              # equal counts by construction
     assert (np.diff(rows, axis=1) > 0).all()                           # members ascending in a group
-
-
-def vlm_costs(rng, n, kind):
-    """Synthetic per-sample VLM costs (patch counts): bimodal, lognormal, heavy-tail."""
-    if kind == 0:
-        c = np.where(rng.random(n) < 0.4, rng.normal(9000, 1500, n), rng.normal(1200, 300, n))
-        c[rng.random(n) < 0.1] = 0
-    elif kind == 1:
-        c = rng.lognormal(np.log(2500), 0.8, n)
-    else:
-        c = 500 * (rng.pareto(2.0, n) + 1)
-        c[rng.random(n) < 0.1] = 0
-    return np.round(np.maximum(c, 0))
 
 
 # Costs with many ties and zeros, or arbitrary floats, 1-64 groups, 1-16 samples per group.
