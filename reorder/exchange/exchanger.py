@@ -346,11 +346,12 @@ class WindowExchanger:
         out = [_fields_to(b, self._paths, dev) if self.device is not None else b for b in batches]
         todo = np.flatnonzero(~moves.kept).tolist()
         if todo:
-            made = [empty_shard(layout, SampleCounts(moves.out_counts.table[s]), dev) for s in todo]
+            counts = [SampleCounts(moves.out_counts.table[s]) for s in todo]
+            made = [empty_shard(layout, c, dev) for c in counts]
             self._executor(dev).run(moves.assemble, buffers, [t for _, bufs in made for t in bufs])
-            for s, (shard, bufs) in zip(todo, made):
+            for s, c, (shard, bufs) in zip(todo, counts, made):
                 if layout.lists:
-                    read_lists(shard, bufs[-1], SampleCounts(moves.out_counts.table[s]))
+                    read_lists(shard, bufs[-1], c)
                 out[s] = rebuild(batches[s], layout, shard)
         return out
 
