@@ -586,7 +586,8 @@ def _bridge_cuda(world, *extra):
               "--features", "8", "--mix", "small", "--micro-batch", "8", "--timeout", "90", *extra]
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(world)]
-    # its own session: on a timeout the launcher and its workers are ended together, none left behind
+    # a new process group of its own (start_new_session): on a timeout the launcher and its workers are
+    # ended together, none left behind
     proc = subprocess.Popen(launcher + script, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:

@@ -120,7 +120,7 @@ def test_fault_under_torchrun(case, tmp_path):
     training script) and the vision -> language bridge after every micro-batch. The whole job ends
     with a non-zero exit within 60 s, the failing ranks print the ReorderError, every rank sees what
     the record says, torchrun's summary names the ReorderError as the root cause, and no process of
-    the job is left (torchrun's process group; the workers, which run in sessions of their own)."""
+    the job is left (torchrun's process group; the workers, which each start a process group of their own)."""
     p = case.params
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(p["nproc"]),
            "--tee", "3", "functional_tests/gloo_suite.py", *p["argv"], "--report-dir", str(tmp_path)]
