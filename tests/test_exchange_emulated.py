@@ -93,6 +93,30 @@ def test_dp1_local_permutation():
     assert res["vision"].reports[0].sent_bytes == 0
 
 
+@pytest.mark.parametrize("early", [False, True])
+def test_only_kept_slots_are_moved_to_the_device_as_given(monkeypatch, early):
+    """A slot the plan rewrites is written straight into its new tensors: its input fields are not
+    also moved to `device` (from pinned host memory that would be a second full copy of the
+    micro-batch). With early_copy a kept slot reuses the copies made at counting time."""
+    from reorder.exchange import exchanger as driver
+
+    moved = []
+    real = driver._fields_to
+    monkeypatch.setattr(driver, "_fields_to", lambda b, paths, dev: moved.append(b["sample_id"][0].item())
+                        or real(b, paths, dev))
+    rng = np.random.default_rng(3)
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=COST, window_size=8,
+                         device="cpu", early_copy=early)
+    window = [syn.make_global_batch(rng, 4, 128, features=4, mix="large", first_id=4 * s, scale=0.05)
+              for s in range(8)]
+    out, report = ex.exchange(window)
+    kept = [4 * s for s in range(8) if (report.orders[s] == np.arange(4)).all()]
+    assert 0 < len(kept) < 8, "the window must mix kept and permuted slots"
+    assert moved == ([] if early else kept)
+    for s, batch in enumerate(out):
+        assert batch["sample_id"].tolist() == [4 * s + int(i) for i in report.orders[s]]
+
+
 def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
     batches = windows_for(11, 8, 3)
     from reorder.plan import orders as plan

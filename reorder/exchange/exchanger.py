@@ -343,7 +343,11 @@ class WindowExchanger:
         """The output micro-batches: slots that are this rank's own, in order, stay as they are (moved
         to `device` as reorder off would); the others are allocated field by field and written."""
         dev = self._target(window)
-        out = [_fields_to(b, self._paths, dev) if self.device is not None else b for b in batches]
+        out = list(batches)
+        if self.device is not None:  # only kept slots: the others are written into new tensors below
+            for s in np.flatnonzero(moves.kept).tolist():
+                out[s] = (rebuild(batches[s], layout, window.shards[s]) if self.early_copy  # copied already
+                          else _fields_to(batches[s], self._paths, dev))
         todo = np.flatnonzero(~moves.kept).tolist()
         if todo:
             counts = [SampleCounts(moves.out_counts.table[s]) for s in todo]
