@@ -53,17 +53,21 @@ def _counts_numpy(model, input_ids, attention_mask, squares, grid_thw):
 def _counts_torch(model, input_ids, attention_mask, squares, grid_thw):
     b, s = input_ids.shape
     device = input_ids.device
-    hits = input_ids.unsqueeze(-1) == _pair(device, model.image_token_id, model.vision_start_token_id)
-    parts = [hits.sum(dim=1)]  # [B, 2]: placeholders, vision starts
-    if attention_mask is not None:  # [B, 2]: ones (real tokens) and zeros; all S of them prove a 0/1 mask
-        parts.append((attention_mask.unsqueeze(-1) == _pair(attention_mask.device, 1, 0)).sum(dim=1))
-    if squares:
-        parts.append((_square_runs_torch(hits[..., 0]) * model.spatial_merge_size ** 4).unsqueeze(1))
-    table = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, k]
     ride = grid_thw is not None and grid_thw.device == device  # travels in the same host copy
-    flat = torch.cat([table.view(-1), grid_thw.reshape(-1).to(torch.int64)]) if ride else table
+    flat = None if squares else _counts_kernel(model, input_ids, attention_mask, grid_thw if ride else None)
+    if flat is not None:  # [B, 4] table: placeholders, vision starts, mask ones, mask zeros
+        k = 4
+    else:
+        hits = input_ids.unsqueeze(-1) == _pair(device, model.image_token_id, model.vision_start_token_id)
+        parts = [hits.sum(dim=1)]  # [B, 2]: placeholders, vision starts
+        if attention_mask is not None:  # [B, 2]: ones (real tokens) and zeros; all S of them prove a 0/1 mask
+            parts.append((attention_mask.unsqueeze(-1) == _pair(attention_mask.device, 1, 0)).sum(dim=1))
+        if squares:
+            parts.append((_square_runs_torch(hits[..., 0]) * model.spatial_merge_size ** 4).unsqueeze(1))
+        table = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, k]
+        flat = torch.cat([table.view(-1), grid_thw.reshape(-1).to(torch.int64)]) if ride else table
+        k = table.shape[1]
     host = flat.cpu().numpy()  # the one host sync
-    k = table.shape[1]
     t = host[:b * k].reshape(b, k)
     out = np.zeros((4, b), dtype=np.int64)
     out[0], out[2] = t[:, 0], t[:, 1]
@@ -76,6 +80,42 @@ def _counts_torch(model, input_ids, attention_mask, squares, grid_thw):
     if grid_thw is None:
         return out, None
     return out, host[b * k:].reshape(tuple(grid_thw.shape)) if ride else grid_thw.to("cpu", torch.int64).numpy()
+
+
+_KERNEL = []  # [the Triton counting kernel, or None where triton does not import], filled on first use
+
+
+def _counts_kernel(model, input_ids, attention_mask, grid_thw, interpret: bool = False):
+    """The [B, 4] count table and grid_thw's values (int64, flat, on input_ids' device) from one
+    Triton launch, or None where it does not apply: not a CUDA tensor (unless `interpret`: CPU
+    tensors through Triton's interpreter, for tests), triton missing, an empty input_ids, or a field
+    not contiguous (the torch ops count those)."""
+    if not interpret and input_ids.device.type != "cuda":
+        return None
+    if not _KERNEL:
+        try:
+            from reorder.batch.triton_count import count_rows
+        except Exception:  # not installed, or a broken install: counting must not stop training
+            count_rows = None
+        _KERNEL.append(count_rows)
+    kernel = _KERNEL[0]
+    if kernel is None or not input_ids.numel() or not input_ids.is_contiguous() or (attention_mask is not None and (
+            attention_mask.device != input_ids.device or not attention_mask.is_contiguous())) or (
+            grid_thw is not None and not grid_thw.is_contiguous()):
+        return None
+    b, s = input_ids.shape
+    n_thw = 0 if grid_thw is None else grid_thw.numel()
+    out = torch.empty(4 * b + n_thw, dtype=torch.int64, device=input_ids.device)
+    args = (input_ids, input_ids if attention_mask is None else attention_mask,
+            input_ids if grid_thw is None else grid_thw, out, s, n_thw, model.image_token_id,
+            model.vision_start_token_id)
+    meta = dict(HAS_MASK=attention_mask is not None, HAS_THW=n_thw > 0, BLOCK=1024)
+    if interpret:
+        kernel[(b,)](*args, **meta)
+    else:
+        with torch.cuda.device(input_ids.device):  # Triton launches on the current device and stream
+            kernel[(b,)](*args, **meta, num_warps=4)
+    return out
 
 
 def _check_input_ids(input_ids):

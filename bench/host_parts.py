@@ -1,0 +1,125 @@
+"""Where the host time of a device-resident dp-1 window goes: each part of `WindowExchanger.exchange`
+timed alone in a loop (host time, not synchronized, median per call), next to the whole call.
+
+  python bench/host_parts.py [--device cuda] [--reps 200] [--out bench/results/host_parts.json]
+
+Parts: count (input_ids / attention_mask counting, its one host copy included), describe (the
+layout walk), plan (`plan_window`), moves (`build_moves`), outputs (`empty_shard` of every output
+slot), and the executor's run on the assemble table, split into its table checks, `launch_table`,
+and the launch itself where the executor is Triton (staging, table copy, kernel). `--profile`
+also prints the top of a cProfile of whole windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.single_gpu import COST, permuted_batches  # noqa: E402
+from reorder import Grid, WindowExchanger  # noqa: E402
+from reorder.batch.blocks import byte_fields, empty_shard, unit_bytes  # noqa: E402
+from reorder.batch.layout import describe, grid_thw_of  # noqa: E402
+from reorder.cli import synthetic as syn  # noqa: E402
+from reorder.exchange.executors import check_bounds, launch_table  # noqa: E402
+from reorder.plan.counts import SampleCounts  # noqa: E402
+from reorder.plan.moves import build_moves  # noqa: E402
+from reorder.plan.window import plan_window  # noqa: E402
+
+
+def host_us(fn, reps: int) -> float:
+    """Median host time of fn() in microseconds, after two untimed calls."""
+    fn()
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return float(np.median(out) * 1e6)
+
+
+def parts(args, dev) -> dict:
+    batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
+                                                               args.mix)]
+    b = batches[0]
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
+    ex.exchange([b])
+    window = ex._prepare([b])
+    counts = window.counts
+    layout = window.layout
+    plan = plan_window(counts, COST, ex.grid, ex.settings, unit_bytes(layout))
+    fields = byte_fields(layout)
+    moves = build_moves(fields, counts, plan, 0)
+    sources = ex._sources(layout, window)
+    out_counts = SampleCounts(moves.out_counts.table[0])
+    made = empty_shard(layout, out_counts, dev)
+    executor = ex._executor(dev)
+    k = iter(range(10**9))
+    res = {
+        "window": host_us(lambda: ex.exchange([batches[next(k) % len(batches)]]), args.reps),
+        "count": host_us(lambda: COST.counts(b["input_ids"], b["attention_mask"], grid_thw=grid_thw_of(b)),
+                         args.reps),
+        "describe": host_us(lambda: describe(b, args.micro_batch, vision_start_token_id=COST.vision_start_token_id,
+                                             image_counts=torch.from_numpy(counts.images[0].copy())), args.reps),
+        "prepare": host_us(lambda: ex._prepare([b]), args.reps),
+        "plan": host_us(lambda: plan_window(counts, COST, ex.grid, ex.settings, unit_bytes(layout)), args.reps),
+        "moves": host_us(lambda: build_moves(fields, counts, plan, 0), args.reps),
+        "sources": host_us(lambda: ex._sources(layout, window), args.reps),
+        "outputs": host_us(lambda: empty_shard(layout, out_counts, dev), args.reps),
+        "check_bounds": host_us(lambda: check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1]),
+                                args.reps),
+        "launch_table": host_us(lambda: launch_table(moves.assemble, [sources[0][:0]] + sources, made[1], 16384),
+                                args.reps),
+        "executor_run": host_us(lambda: executor.run(moves.assemble, [sources[0][:0]] + sources, made[1]), args.reps),
+        "segments": int(len(moves.assemble)),
+        "executor": executor.name,
+    }
+    if dev.type == "cuda":
+        res["pinned_alloc"] = host_us(lambda: torch.empty(256, dtype=torch.int64, pin_memory=True), args.reps)
+        staged = torch.empty(256, dtype=torch.int64, pin_memory=True)
+        res["table_copy"] = host_us(lambda: staged.to(dev, non_blocking=True), args.reps)
+        res["empty_cuda"] = host_us(lambda: torch.empty(1024, device=dev), args.reps)
+        if executor.name == "triton":
+            table = staged.to(dev)
+            table[:] = 0
+            res["kernel_launch"] = host_us(lambda: executor._kernel[(1,)](table[2:], table, BLOCK=executor.block_bytes,
+                                                                        num_warps=executor.num_warps), args.reps)
+    torch.cuda.synchronize() if dev.type == "cuda" else None
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--features", type=int, default=1176)
+    p.add_argument("--mix", default="large")
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "host_parts.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dev = torch.device(args.device)
+    res = parts(args, dev)
+    print(f"{'part':14s} {'host us':>9s}")
+    for k, v in res.items():
+        print(f"{k:14s} {v:9.1f}" if isinstance(v, float) else f"{k:14s} {v:>9}")
+    if args.profile:
+        from bench.single_gpu import profile
+        profile(argparse.Namespace(micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features,
+                                   mix=args.mix, reps=args.reps), dev)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
