@@ -2,7 +2,8 @@
 realistic micro-batches that come (a) from pinned host memory, with and without `early_copy`,
 (b) device-resident, (c) with grid_thw left on the host and `device=None`; every output sample must
 equal the input sample the report's canonical order names, bit for bit (spec.samples), on
-`--device`. Also times (a), both ways, against what reorder off does with the same batch (every
+`--device`. Counting on the device (the Triton kernel where triton imports, else torch ops) must
+give the host's counts and grid_thw. Also times (a), both ways, against what reorder off does with the same batch (every
 tensor `.to(device)`).
 
   python functional_tests/dp1_cuda.py [--device cuda] [--features 1176] [--mix realistic]
@@ -20,9 +21,10 @@ import torch
 
 from bench.common import median_ms, synchronizer
 from reorder import CostModel, WindowExchanger
+from reorder.batch import counting
 from reorder.cli import synthetic as syn
 from reorder.plan.grid import Grid
-from reorder.batch.layout import tensors
+from reorder.batch.layout import field_at, tensors
 from reorder.batch.blocks import resolved
 from spec.samples import per_sample_bytes
 
@@ -39,7 +41,7 @@ def main():
     sync = synchronizer(dev)
     pin = syn.pin if dev.type == "cuda" else (lambda b: b)
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
-    bad, checked, timings = [], 0, {}
+    bad, checked, counted, timings = [], 0, 0, {}
     for mb in (4, 32):
         rng = np.random.default_rng(mb)
         host = [syn.make_global_batch(rng, mb, args.seq_len, features=args.features, mix=args.mix, first_id=k * mb)
@@ -50,6 +52,13 @@ def main():
             d["modality_inputs"]["images"]["vit"], grid_thw=g["modality_inputs"]["images"]["vit"]["grid_thw"])}})
             for d, g in zip(on_dev, host)]
         pinned = [pin(g) for g in host]
+        for k, (g, d) in enumerate(zip(host, on_dev)):
+            thw = "modality_inputs", "images", "vit", "grid_thw"
+            on_host = cost.counts(g["input_ids"], g["attention_mask"], grid_thw=field_at(g, thw))
+            on_device = cost.counts(d["input_ids"], d["attention_mask"], grid_thw=field_at(d, thw))
+            counted += 1
+            if not all(np.array_equal(a, b) for a, b in zip(on_host, on_device)):
+                bad.append(f"mb {mb} batch {k}: counts on {dev} differ from the host's")
         cases = {"pinned host -> device": (pinned, dev, False), "pinned host -> device, early_copy": (pinned, dev, True),
                  "device-resident": (on_dev, dev, False), "grid_thw on host, device None": (mixed, None, False)}
         for name, (batches, target, early) in cases.items():
@@ -72,8 +81,9 @@ def main():
                                                                  args.reps, sync)
         timings[f"mb{mb}_to_device_ms"] = median_ms(lambda: syn.to_device(pinned[next(k) % 4], dev, non_blocking=True),
                                                     args.reps, sync)
-    ok = not bad and checked == 32
-    print("RESULT", dict(ok=ok, checked=checked, mismatches=bad, **{k: round(v, 3) for k, v in timings.items()}))
+    ok = not bad and checked == 32 and counted == 8
+    kernel = counting._KERNEL[0] is not None if counting._KERNEL else False
+    print("RESULT", dict(ok=ok, checked=checked, counted=counted, counting_kernel=kernel, mismatches=bad, **{k: round(v, 3) for k, v in timings.items()}))
     sys.exit(0 if ok else 1)
 
 
