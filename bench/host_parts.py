@@ -61,6 +61,7 @@ def parts(args, dev) -> dict:
     out_counts = SampleCounts(moves.out_counts.table[0])
     made = empty_shard(layout, out_counts, dev)
     executor = ex._executor(dev)
+    addresses = check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1])
     k = iter(range(10**9))
     res = {
         "window": host_us(lambda: ex.exchange([batches[next(k) % len(batches)]]), args.reps),
@@ -75,8 +76,7 @@ def parts(args, dev) -> dict:
         "outputs": host_us(lambda: empty_shard(layout, out_counts, dev), args.reps),
         "check_bounds": host_us(lambda: check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1]),
                                 args.reps),
-        "launch_table": host_us(lambda: launch_table(moves.assemble, [sources[0][:0]] + sources, made[1], 16384),
-                                args.reps),
+        "launch_table": host_us(lambda: launch_table(moves.assemble, *addresses, 16384), args.reps),
         "executor_run": host_us(lambda: executor.run(moves.assemble, [sources[0][:0]] + sources, made[1]), args.reps),
         "segments": int(len(moves.assemble)),
         "executor": executor.name,

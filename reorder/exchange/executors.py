@@ -40,32 +40,43 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def buffer_sizes(buffers: Sequence[torch.Tensor]) -> np.ndarray:
-    return np.array([t.numel() * t.element_size() for t in buffers], dtype=np.int64)
+    return np.array([t.nbytes for t in buffers], dtype=np.int64)
+
+
+def _addresses(side: str, buffers: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """(address, bytes) of every buffer, int64; ValueError for one that is not contiguous."""
+    ptr, size = [], []
+    for t in buffers:
+        if not t.is_contiguous():
+            raise ValueError(f"{side} buffers must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+        ptr.append(t.data_ptr())
+        size.append(t.nbytes)
+    return np.array(ptr, dtype=np.int64), np.array(size, dtype=np.int64)
 
 
 def check_bounds(segments: Segments, sources: Sequence[torch.Tensor],
-                 destinations: Sequence[torch.Tensor]) -> None:
+                 destinations: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """Raise ValueError unless every segment names existing buffers and lies inside them, and every
-    buffer is contiguous. Vectorized over segments; one pass over the buffers."""
+    buffer is contiguous. Vectorized over segments; one pass over the buffers. Returns the sources'
+    and the destinations' addresses (int64 arrays), which a launch table needs."""
+    out = []
     for side, bufs, which, off in (("src", sources, segments.src_buf, segments.src_off),
                                    ("dst", destinations, segments.dst_buf, segments.dst_off)):
-        for t in bufs:
-            if not t.is_contiguous():
-                raise ValueError(f"{side} buffers must be contiguous, got shape {tuple(t.shape)} "
-                                 f"strides {t.stride()}")
+        ptr, sizes = _addresses(side, bufs)
+        out.append(ptr)
         if not len(segments):
             continue
         bad = which >= len(bufs)
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"Segments.{side}_buf[{i}] = {int(which[i])}: only {len(bufs)} {side} buffers")
-        sizes = buffer_sizes(bufs)
         over = off + segments.nbytes > sizes[which]
         if over.any():
             i = int(np.argmax(over))
             raise ValueError(f"segment {i}: Segments.{side}_off[{i}] = {int(off[i])} + nbytes "
                              f"{int(segments.nbytes[i])} exceeds {side} buffer {int(which[i])} of "
                              f"{int(sizes[which[i]])} bytes")
+    return out[0], out[1]
 
 
 def word_width(*values) -> np.ndarray:
@@ -166,22 +177,22 @@ def _as_words(b: torch.Tensor, w: int) -> torch.Tensor:
     return b if w == 1 else b.narrow(0, 0, b.numel() // w * w).view(_WORD_DTYPES[w])
 
 
-def launch_table(segments: Segments, sources: Sequence[torch.Tensor],
-                 destinations: Sequence[torch.Tensor], block_bytes: int,
+def launch_table(segments: Segments, src_ptr: np.ndarray, dst_ptr: np.ndarray, block_bytes: int,
                  alloc: Callable[[int], np.ndarray] | None = None) -> tuple[np.ndarray, int, int]:
     """The Triton kernel's input as one int64 array, and (n segments, n blocks): rows [blocks, 2] of
-    (segment row, byte start in the segment), then rows [n, 3] of (absolute source address, absolute
-    destination address, nbytes) for the non-empty segments. Program p copies bytes
-    [start, min(start + block_bytes, nbytes)) of its segment, so the kernel needs no search. Block
-    rows first: the segment rows then start 16-byte aligned, one compiled variant of the kernel.
-    `alloc(size)` gives the int64 array to fill (default np.empty; a pinned staging buffer's numpy
-    view saves a copy)."""
+    (segment row, byte start in the segment), then rows [n, 3] of (absolute source address,
+    absolute destination address, nbytes) for the non-empty segments. src_ptr / dst_ptr: the
+    buffers' addresses (from `check_bounds`). Program p copies bytes [start, min(start +
+    block_bytes, nbytes)) of its segment, so the kernel needs no search. Block rows first: the
+    segment rows then start 16-byte aligned, one compiled variant of the kernel. `alloc(size)`
+    gives the int64 array to fill (default np.empty; a pinned staging buffer's numpy view saves a
+    copy)."""
     s = segments.take(segments.nbytes > 0)
-    src_ptr = np.array([t.data_ptr() for t in sources], dtype=np.int64)
-    dst_ptr = np.array([t.data_ptr() for t in destinations], dtype=np.int64)
     n = len(s)
     per_seg = (s.nbytes + block_bytes - 1) // block_bytes
-    blocks = int(per_seg.sum())
+    first = np.cumsum(per_seg)
+    blocks = int(first[-1]) if n else 0
+    first -= per_seg  # first block of each segment
     out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(3 * n + 2 * blocks)
     blk = out[:2 * blocks].reshape(blocks, 2)
     seg = out[2 * blocks:].reshape(n, 3)
@@ -189,8 +200,7 @@ def launch_table(segments: Segments, sources: Sequence[torch.Tensor],
     seg[:, 1] = dst_ptr[s.dst_buf] + s.dst_off
     seg[:, 2] = s.nbytes
     blk[:, 0] = np.repeat(np.arange(n, dtype=np.int64), per_seg)
-    first = np.cumsum(per_seg) - per_seg  # first block of each segment
-    blk[:, 1] = (np.arange(blocks, dtype=np.int64) - np.repeat(first, per_seg)) * block_bytes
+    blk[:, 1] = (np.arange(blocks, dtype=np.int64) - first[blk[:, 0]]) * block_bytes
     return out, n, blocks
 
 
@@ -219,10 +229,11 @@ class TritonExecutor:
 
     def run(self, segments: Segments, sources: list[torch.Tensor],
             destinations: list[torch.Tensor]) -> None:
-        check_bounds(segments, sources, destinations)
-        if not segments.nbytes.any():
+        src_ptr, dst_ptr = check_bounds(segments, sources, destinations)
+        live = segments.nbytes > 0
+        if not live.any():
             return
-        device = self._check_devices(segments, sources, destinations)
+        device = self._check_devices(segments, live, sources, destinations)
         staged = []
 
         def stage(size):
@@ -231,7 +242,7 @@ class TritonExecutor:
             staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not self.interpret))
             return staged[0].numpy()
 
-        _, _, blocks = launch_table(segments, sources, destinations, self.block_bytes, alloc=stage)
+        _, _, blocks = launch_table(segments, src_ptr, dst_ptr, self.block_bytes, alloc=stage)
         if self.interpret:
             self._kernel[(blocks,)](staged[0][2 * blocks:], staged[0], BLOCK=self.block_bytes)
             return
@@ -239,23 +250,31 @@ class TritonExecutor:
             table = staged[0].to(device, non_blocking=True)
             self._kernel[(blocks,)](table[2 * blocks:], table, BLOCK=self.block_bytes, num_warps=self.num_warps)
 
-    def _check_devices(self, segments: Segments, sources, destinations) -> torch.device:
-        """The device to launch on; ValueError for buffers the kernel cannot address."""
-        live = segments.nbytes > 0
-        used_dst = np.flatnonzero(np.bincount(segments.dst_buf[live], minlength=len(destinations))).tolist()
-        used_src = np.flatnonzero(np.bincount(segments.src_buf[live], minlength=len(sources))).tolist()
-        device = destinations[used_dst[0]].device
+    def _check_devices(self, segments: Segments, live: np.ndarray, sources, destinations) -> int:
+        """The index of the device to launch on (-1: the CPU, interpreted); ValueError for buffers
+        the kernel cannot address. live: the segments that copy bytes."""
+        used_dst = np.unique(segments.dst_buf[live]).tolist()
+        used_src = np.unique(segments.src_buf[live]).tolist()
+        first = destinations[used_dst[0]]
+        device = first.get_device()
         want = "cpu" if self.interpret else "cuda"
+
+        def on_device(t):  # on the launch device (interpreted: the CPU); few attribute reads when on CUDA
+            return t.device.type == "cpu" if self.interpret else t.is_cuda and t.get_device() == device
+
         for i in used_dst:
-            if destinations[i].device != device or device.type != want:
-                raise ValueError(f"TritonExecutor: destination {i} is on {destinations[i].device}; all "
+            t = destinations[i]
+            if not on_device(t):
+                raise ValueError(f"TritonExecutor: destination {i} is on {t.device}; all "
                                  f"destinations must be on one {want} device")
         for i in used_src:
             t = sources[i]
-            if t.device != device and not (t.device.type == "cpu" and not self.interpret and t.is_pinned()):
+            if on_device(t):
+                continue
+            if not (t.device.type == "cpu" and not self.interpret and t.is_pinned()):
                 raise ValueError(f"TritonExecutor: source {i} is on {t.device} (pinned: "
                                  f"{t.is_pinned() if t.device.type == 'cpu' else 'n/a'}); sources must be on "
-                                 f"{device} or pinned host memory")
+                                 f"{first.device} or pinned host memory")
         return device
 
 

@@ -200,7 +200,7 @@ def test_launch_table_blocks_tile_every_segment(problem, block):
     _, src_specs, dst_specs, segs = problem
     rng = np.random.default_rng(0)
     src, dst = Buffers(src_specs, rng), Buffers(dst_specs, rng)
-    table, n, blocks = launch_table(segs, src.typed, dst.typed, block)
+    table, n, blocks = launch_table(segs, *check_bounds(segs, src.typed, dst.typed), block)
     live = segs.take(segs.nbytes > 0)
     blk, rows = table[:2 * blocks].reshape(blocks, 2), table[2 * blocks:].reshape(n, 3)
     assert n == len(live) and len(table) == 3 * n + 2 * blocks
@@ -234,7 +234,11 @@ def test_triton_executor_refuses_buffers_it_cannot_address():
     triton_ex.interpret = False
     segs = Segments.of([0], [0], [0], [0], [4])
     with pytest.raises(ValueError, match="destination 0 is on cpu; all destinations must be on one cuda device"):
-        triton_ex._check_devices(segs, [torch.zeros(4)], [torch.zeros(4)])
+        triton_ex._check_devices(segs, segs.nbytes > 0, [torch.zeros(4)], [torch.zeros(4)])
+    triton_ex.interpret = True  # interpreted: CPU destinations; a source elsewhere is refused
+    with pytest.raises(ValueError, match="source 1 is on meta"):
+        triton_ex._check_devices(Segments.of([0, 1], [0, 0], [0, 0], [0, 4], [4, 4]), np.array([True, True]),
+                                 [torch.zeros(4), torch.zeros(4, device="meta")], [torch.zeros(4)])
 
 
 def test_benchmark_runs_on_cpu(tmp_path):
