@@ -124,7 +124,8 @@ def _before_in_runs(values: np.ndarray, run: int) -> np.ndarray:
 class _Place(NamedTuple):
     """Where items sit in their buffers: buffer (per item; plus the field index where per_field is
     1: a rank's own buffers hold one field each), base byte offset, samples n of their container,
-    index j in it, entries before them [items, kinds], each field's region offset [items, F]."""
+    index j in it, entries before them [items, kinds], each field's region offset [items, F]. An
+    array of length 1 (first axis) holds what every item shares; it broadcasts over the items."""
 
     buf: np.ndarray
     base: np.ndarray
@@ -165,50 +166,55 @@ def build_moves(fields: tuple, counts: SampleCounts, plan: WindowPlan, rank: int
     ids = np.arange(w * batch)
     src_slot, src_pos = ids // batch, ids % batch
     src_rank, dst_rank = src_pos // b, plan.dest_pos // b
-    local = src_pos - src_rank * b
+    local = src_pos % b
     table = counts.flat().table
     entries = _entries(table)
     own_before = _before_in_runs(entries, b)  # every (slot, rank) shard is a run of b natural ids
+    # what every item of a rank's own buffers or of an output slot shares, as length-1 arrays that
+    # broadcast over the items: base offset 0, b samples, region offsets 0, one buffer per field
+    zero, shard_n, no_regions, per_field = _ZERO, np.full(1, b), np.zeros((1, nf), np.int64), _ONE
 
     def own_place(items, first_buffer):  # a rank's own buffers: one per (slot, field)
-        n = len(items)
-        return _Place(first_buffer + src_slot[items] * nf, np.full(n, 0), np.full(n, b), local[items],
-                      own_before[items], np.full((n, nf), 0), np.full(n, 1))
+        return _Place(first_buffer + src_slot[items] * nf, zero, shard_n, local[items], own_before[items],
+                      no_regions, per_field)
 
     def wire_order(sel, peer):  # peer, then destination slot, then canonical position
         return ids[sel][np.lexsort((plan.dest_pos[sel], plan.dest_slot[sel], peer[sel]))]
 
-    send = recv = ids[:0]
+    send = recv = _NONE
     send_sizes = recv_sizes = np.zeros(dp * w, np.int64)
-    pack = Segments.trusted(*(ids[:0] for _ in range(5)))
+    pack, send_items, recv_items = _NO_SEGMENTS, (_NONE,) * dp, (_NONE,) * dp
     if plan.moves_anything and dp > 1:  # else nothing crosses ranks: no pieces, no pack, no all_to_all
         send = wire_order((src_rank == rank) & (dst_rank != rank), dst_rank)
         recv = wire_order((dst_rank == rank) & (src_rank != rank), src_rank)
         sent, send_sizes = _pieces(fields, entries[send], dst_rank[send] * w + plan.dest_slot[send], dp * w)
         got, recv_sizes = _pieces(fields, entries[recv], src_rank[recv] * w + plan.dest_slot[recv], dp * w)
         pack = _segments(fields, entries[send], own_place(send, 0), sent)
+        send_items, recv_items = _split(send, dst_rank[send], dp), _split(recv, src_rank[recv], dp)
     # assemble: output slot s holds canonical positions rank*b .. rank*b + b - 1 of slot s
     mine = dst_rank == rank
     out = np.empty(w * b, np.int64)  # [W * b] natural id at each output (slot, position)
     out[plan.dest_slot[mine] * b + plan.dest_pos[mine] - rank * b] = ids[mine]
     kept = (out.reshape(w, b) == (np.arange(w) * batch + rank * b)[:, None] + np.arange(b)).all(axis=1)
-    todo = np.repeat(~kept, b)  # kept slots are returned as they are: nothing to assemble
-    items, out_entries = out[todo], entries[out[todo]]
+    items = out[np.repeat(~kept, b)]  # kept slots are returned as they are: nothing to assemble
+    out_entries = entries[items]
     src = own_place(items, 1)
     if len(recv):
         in_recv = np.zeros(w * batch, np.int64)
         in_recv[recv] = np.arange(len(recv))
         src = _combine(src_rank[items] == rank, src, got, in_recv[items])
-    n = len(items)
-    dst = _Place(np.repeat(np.arange(n // b), b) * nf, np.full(n, 0), np.full(n, b), np.tile(np.arange(b), n // b),
-                 _before_in_runs(out_entries, b), np.full((n, nf), 0), np.full(n, 1))
+    k = np.arange(len(items))  # the k-th output sample: output buffer k // b, position k % b
+    dst = _Place(k // b * nf, zero, shard_n, k % b, _before_in_runs(out_entries, b), no_regions, per_field)
     return MoveList(pack=pack, assemble=_segments(fields, out_entries, src, dst),
                     send_splits=send_sizes.reshape(dp, w).sum(axis=1).tolist(),
                     recv_splits=recv_sizes.reshape(dp, w).sum(axis=1).tolist(),
                     out_counts=SampleCounts(table[out].reshape(w, b, len(COLUMNS))), kept=kept,
-                    send_items=_split(send, dst_rank[send], dp), recv_items=_split(recv, src_rank[recv], dp))
+                    send_items=send_items, recv_items=recv_items)
 
 
+_NONE = np.zeros(0, np.int64)
+_NO_SEGMENTS = Segments.trusted(*(_NONE,) * 5)
+_ZERO, _ONE = np.zeros(1, np.int64), np.ones(1, np.int64)
 _ENTRY_COLUMNS = [COLUMNS.index(c) for c in ("rows", "images", "list_bytes")]  # KINDS[1:], in order
 
 

@@ -22,7 +22,7 @@ def rank_loads(costs: np.ndarray, orders: np.ndarray | None, dp: int) -> np.ndar
     """float64 [W, dp] summed cost per rank; natural assignment when `orders` is None."""
     costs = np.asarray(costs, dtype=np.float64)
     if orders is not None:
-        costs = np.take_along_axis(costs, np.asarray(orders), axis=1)
+        costs = costs[np.arange(len(costs))[:, None], orders]
     w, b = costs.shape
     return costs.reshape(w, dp, b // dp).sum(axis=2)
 

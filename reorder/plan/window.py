@@ -158,6 +158,7 @@ def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: Pla
     per-image fields), for `moved_bytes`."""
     costs = window_costs(counts, cost, settings.given_costs)
     w, batch = costs.shape
+    ids = np.arange(w * batch)  # flat natural ids
     cross = settings.cross_slot and w > 1
     if cross:  # one assignment over W x G cells: the window is one batch of W*B samples
         order, gated = plan_gated_orders(costs.reshape(1, costs.size), grid.groups * w, settings.balancer,
@@ -169,15 +170,15 @@ def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: Pla
     else:
         orders, gated = plan_gated_orders(costs, grid.groups, settings.balancer, settings.min_gain,
                                           settings.min_saving)
-        dest_slot = np.repeat(np.arange(w), batch)
+        dest_slot = ids // batch
         dest_pos = inverse(orders).ravel()
         after = rank_loads(costs, orders, grid.dp)
     b = batch // grid.dp
-    src_rank = np.tile(np.arange(batch) // b, w)
-    src_slot = np.repeat(np.arange(w), batch)
-    moved = ((dest_pos // b != src_rank) | (dest_slot != src_slot)).reshape(w, batch)
-    d, r, i = unit_bytes
-    sample_bytes = d + counts.rows * r + counts.images * i + counts.list_bytes
+    moved = ((dest_pos // b != ids % batch // b) | (dest_slot != ids // batch)).reshape(w, batch)
+    moved_bytes = 0
+    if moved.any():
+        d, r, i = unit_bytes
+        moved_bytes = int((d + counts.rows * r + counts.images * i + counts.list_bytes)[moved].sum())
     return WindowPlan(dp=grid.dp, orders=orders, dest_slot=dest_slot, dest_pos=dest_pos, gated=gated, costs=costs,
                       loads_before=rank_loads(costs, None, grid.dp), loads_after=after, moved=moved,
-                      moved_bytes=int(sample_bytes[moved].sum()), cross_slot=cross, shadow=settings.shadow)
+                      moved_bytes=moved_bytes, cross_slot=cross, shadow=settings.shadow)
