@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 COLUMNS = ("placeholders", "real_tokens", "images", "rows", "list_bytes", "square_patches", "cost_bits")
+_INDEX = {name: i for i, name in enumerate(COLUMNS)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +44,10 @@ class SampleCounts:
         return cls(table)
 
     def __getattr__(self, name):
-        if name in COLUMNS:
-            return self.table[..., COLUMNS.index(name)]
-        raise AttributeError(name)
+        i = _INDEX.get(name)
+        if i is None:
+            raise AttributeError(name)
+        return self.table[..., i]
 
     @property
     def shape(self) -> tuple:
