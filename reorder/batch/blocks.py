@@ -66,7 +66,7 @@ def empty_shard(layout: BatchLayout, counts: SampleCounts, device: torch.device)
         shard.ragged[f.path] = t = torch.empty((totals[f.per], *f.entry_shape), dtype=f.dtype, device=device)
         buffers.append(t)
     if layout.ragged:
-        shard.row_counts, shard.image_counts = torch.from_numpy(counts.rows.copy()), torch.from_numpy(counts.images.copy())
+        shard.row_counts, shard.image_counts = counts.rows.copy(), counts.images.copy()
     if layout.lists:
         buffers.append(torch.empty(int(counts.list_bytes.sum()), dtype=torch.uint8, device=device))
     return shard, buffers
@@ -91,7 +91,7 @@ def view_block(layout: BatchLayout, block: torch.Tensor, regions: np.ndarray, co
     for f in layout.ragged:
         out.ragged[f.path] = _view(block, next(at), f.dtype, (totals[f.per], *f.entry_shape))
     if layout.ragged:
-        out.row_counts, out.image_counts = torch.from_numpy(counts.rows.copy()), torch.from_numpy(counts.images.copy())
+        out.row_counts, out.image_counts = counts.rows.copy(), counts.images.copy()
     if layout.lists:
         lens = counts.list_bytes.tolist()
         start = next(at)
@@ -109,8 +109,8 @@ def _view(block: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple) -> tor
 def shard_counts(shard: Shard, blobs: list) -> SampleCounts:
     """The counts the move list needs of a shard: rows, images and list bytes per sample."""
     zeros = np.zeros(shard.n, dtype=np.int64)
-    return SampleCounts.of(rows=zeros if shard.row_counts is None else shard.row_counts.numpy(),
-                           images=zeros if shard.image_counts is None else shard.image_counts.numpy(),
+    return SampleCounts.of(rows=zeros if shard.row_counts is None else shard.row_counts,
+                           images=zeros if shard.image_counts is None else shard.image_counts,
                            list_bytes=np.array([len(b) for b in blobs], dtype=np.int64).reshape(-1) if blobs else zeros)
 
 

@@ -108,13 +108,13 @@ class BatchLayout:
 @dataclass(slots=True)
 class Shard:
     """n samples in one order: dense tensors (batch dim per layout), ragged vision tensors with
-    per-sample `row_counts` / `image_counts` (int64, CPU), and per-sample list entries."""
+    per-sample `row_counts` / `image_counts` (int64 numpy arrays), and per-sample list entries."""
 
     n: int
     dense: dict = field(default_factory=dict)  # Path -> Tensor
     ragged: dict = field(default_factory=dict)  # Path -> Tensor
-    row_counts: torch.Tensor | None = None
-    image_counts: torch.Tensor | None = None
+    row_counts: np.ndarray | None = None
+    image_counts: np.ndarray | None = None
     lists: list | None = None  # n tuples, one entry per layout.lists path
 
     def list_blobs(self) -> list:
@@ -182,10 +182,10 @@ def _walk(obj, path=()):
 
 
 def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
-             batch_dims: dict | None = None, image_counts: torch.Tensor | None = None,
+             batch_dims: dict | None = None, image_counts: np.ndarray | None = None,
              grid_thw_host: np.ndarray | None = None, where: str = "") -> tuple[BatchLayout, Shard]:
     """Split one rank's micro-batch of `local_batch` samples into its layout and a shard
-    (image_counts: per-sample vision-start tokens; grid_thw_host: grid_thw already on the host, as int64;
+    (image_counts: per-sample vision-start tokens, int64 numpy [local_batch]; grid_thw_host: grid_thw already on the host, as int64;
     where: how error messages name this micro-batch, e.g. "micro-batch 2 ").
 
     Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
@@ -245,8 +245,8 @@ def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_co
         raise LayoutError(f"field {'/'.join(grid_thw_path)!r} must be an [n_images, 3] tensor")
     enc = grid_thw_path[:-1]
     if image_counts is None:
-        image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64)
-    counts = image_counts.numpy()
+        image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64).numpy()
+    counts = image_counts
     n_img = int(counts.sum())
     if grid_thw.shape[0] != n_img:
         raise LayoutError(f"field {'/'.join(grid_thw_path)!r} has {grid_thw.shape[0]} images but input_ids holds "
@@ -259,7 +259,7 @@ def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_co
     np.cumsum(grid_thw_host.prod(axis=1), out=csum[1:])
     total_rows = int(csum[-1])
     ends = np.cumsum(counts)
-    row_counts = torch.from_numpy(csum[ends] - csum[ends - counts])
+    row_counts = csum[ends] - csum[ends - counts]
     for path, v in vision:
         if path[:-1] != enc:
             raise LayoutError(f"field {'/'.join(path)!r}: only one vision encoder dict is supported "

@@ -123,6 +123,7 @@ class WindowExchanger:
         self._agreed = False  # the DP group's config frames matched (gathered before the first window)
         self._paths = None  # per-sample field paths of the last planned window (moved in skipped windows)
         self._executors = {}
+        self._empty = {}  # device -> an empty uint8 tensor there
 
     # the settings by their config names (read by wire's config frame, the buffer and the adapters)
     balancer = property(lambda self: self.settings.balancer)
@@ -170,7 +171,7 @@ class WindowExchanger:
         sources = self._sources(layout, window)
         send = self._pack(moves, sources) if plan.moves_anything and self.grid.dp > 1 else None
         mark("pack")
-        recv = self._all_to_all(send, moves) if send is not None else sources[0][:0]
+        recv = self._all_to_all(send, moves) if send is not None else self._nothing_received(sources[0].device)
         mark("all_to_all")
         out = self._assemble(batches, layout, window, moves, [recv] + sources)
         mark("assemble")
@@ -227,9 +228,9 @@ class WindowExchanger:
         if self.image_counts is not None:
             images = _per_sample(self.image_counts(batch), len(placeholders), "image_counts", np.int64)
         layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,
-                                 batch_dims=self.batch_dims, image_counts=torch.from_numpy(images),
+                                 batch_dims=self.batch_dims, image_counts=images,
                                  grid_thw_host=grid_thw, where=f"micro-batch {slot} ")
-        rows = np.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts.numpy()
+        rows = np.zeros_like(placeholders) if shard.row_counts is None else shard.row_counts
         given = np.zeros(len(placeholders), np.float64)
         if self.sample_costs is not None:
             given = _per_sample(self.sample_costs(batch), len(placeholders), "sample_costs", np.float64)
@@ -327,6 +328,14 @@ class WindowExchanger:
                 same = t.device == dev or (reads_pinned and t.device.type == "cpu" and t.is_pinned())
                 out.append(t if same else t.to(dev, non_blocking=True))
         return out
+
+    def _nothing_received(self, device) -> torch.Tensor:
+        """An empty receive buffer on `device` (made once per device; the assemble table reads
+        nothing from it)."""
+        t = self._empty.get(device)
+        if t is None:
+            t = self._empty[device] = torch.empty(0, dtype=torch.uint8, device=device)
+        return t
 
     def _pack(self, moves, sources) -> torch.Tensor:
         send = torch.empty(sum(moves.send_splits), dtype=torch.uint8, device=sources[0].device)
