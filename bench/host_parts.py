@@ -89,7 +89,7 @@ def parts(args, dev) -> dict:
         if executor.name == "triton":
             table = staged.to(dev)
             table[:] = 0
-            res["kernel_launch"] = host_us(lambda: executor._kernel[(1,)](table[2:], table, BLOCK=executor.block_bytes,
+            res["kernel_launch"] = host_us(lambda: executor._kernel[(1,)](table, 2, BLOCK=executor.block_bytes,
                                                                         num_warps=executor.num_warps), args.reps)
     torch.cuda.synchronize() if dev.type == "cuda" else None
     return res

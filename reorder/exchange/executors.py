@@ -244,17 +244,17 @@ class TritonExecutor:
 
         _, _, blocks = launch_table(segments, src_ptr, dst_ptr, self.block_bytes, alloc=stage)
         if self.interpret:
-            self._kernel[(blocks,)](staged[0][2 * blocks:], staged[0], BLOCK=self.block_bytes)
+            self._kernel[(blocks,)](staged[0], 2 * blocks, BLOCK=self.block_bytes)
             return
         with torch.cuda.device(device):  # Triton launches on the current device and stream
             table = staged[0].to(device, non_blocking=True)
-            self._kernel[(blocks,)](table[2 * blocks:], table, BLOCK=self.block_bytes, num_warps=self.num_warps)
+            self._kernel[(blocks,)](table, 2 * blocks, BLOCK=self.block_bytes, num_warps=self.num_warps)
 
     def _check_devices(self, segments: Segments, live: np.ndarray, sources, destinations) -> int:
         """The index of the device to launch on (-1: the CPU, interpreted); ValueError for buffers
         the kernel cannot address. live: the segments that copy bytes."""
-        used_dst = np.unique(segments.dst_buf[live]).tolist()
-        used_src = np.unique(segments.src_buf[live]).tolist()
+        used_dst = sorted(set(segments.dst_buf[live].tolist()))
+        used_src = sorted(set(segments.src_buf[live].tolist()))
         first = destinations[used_dst[0]]
         device = first.get_device()
         want = "cpu" if self.interpret else "cuda"

@@ -2,9 +2,10 @@
 the top (Triton's interpreter needs `triton.language` among a kernel's module globals, so the kernel
 cannot be defined inside a function); only `TritonExecutor.__init__` imports it.
 
-Input (built by `executors.launch_table`): `table`, rows [n, 3] of (absolute source address,
-absolute destination address, nbytes); `blocks`, rows [programs, 2] of (segment row, byte start):
-program p copies bytes [start, min(start + BLOCK, nbytes)) of its segment. Addresses are raw
+Input (built by `executors.launch_table`), one int64 array: rows [programs, 2] of (segment row,
+byte start), then from element `rows_at` on rows [n, 3] of (absolute source address, absolute
+destination address, nbytes): program p copies bytes [start, min(start + BLOCK, nbytes)) of its
+segment. Addresses are raw
 int64s cast to pointers, so sources may be pinned host memory as well as device memory.
 """
 
@@ -41,11 +42,12 @@ def _copy_run(src, dst, length, WTYPE: tl.constexpr, WORD: tl.constexpr, ALIGN: 
 
 
 @triton.jit
-def copy_segments(table, blocks, BLOCK: tl.constexpr):
+def copy_segments(blocks, rows_at, BLOCK: tl.constexpr):
     """One program per block row: copy its bytes with the widest word that the relative alignment of
     source and destination allows (blocks start at multiples of BLOCK inside a segment, so a block's
     source and destination are as (mis)aligned relative to each other as its segment's)."""
     pid = tl.program_id(0).to(tl.int64)
+    table = blocks + rows_at
     seg = tl.load(blocks + 2 * pid)
     start = tl.load(blocks + 2 * pid + 1)
     src = tl.load(table + 3 * seg) + start
