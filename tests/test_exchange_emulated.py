@@ -117,6 +117,31 @@ def test_only_kept_slots_are_moved_to_the_device_as_given(monkeypatch, early):
         assert batch["sample_id"].tolist() == [4 * s + int(i) for i in report.orders[s]]
 
 
+def test_early_copy_starts_before_counting_once_the_layout_is_known(monkeypatch):
+    """With early_copy, the per-sample fields of a window after the first are sent to `device`
+    before the micro-batch is counted (the layout of the window before names them), each once."""
+    events = []
+    to, count = torch.Tensor.to, WindowExchanger._count
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: (k.get("non_blocking") and events.append(("to", id(t))))
+                        or to(t, *a, **k))  # the copies to `device` (counting reads grid_thw blocking)
+    monkeypatch.setattr(WindowExchanger, "_count", lambda self, *a: events.append(("count", None)) or count(self, *a))
+    rng = np.random.default_rng(5)
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=COST, device="cpu",
+                         early_copy=True)
+    fields = ["input_ids", "labels", "loss_mask", "attention_mask", "position_ids", "sample_id"]
+    for window in range(2):
+        batch = syn.make_global_batch(rng, 4, 128, features=4, mix="large", first_id=4 * window, scale=0.05)
+        vit = batch["modality_inputs"]["images"]["vit"]
+        ids = {id(batch[f]) for f in fields} | {id(vit["hidden_states"]), id(vit["grid_thw"])}
+        events.clear()
+        ex.exchange([batch])
+        at = events.index(("count", None))
+        copied = [i for kind, i in events if kind == "to" and i in ids]
+        assert sorted(copied) == sorted(ids)  # every field once
+        before = {i for kind, i in events[:at] if kind == "to"} & ids
+        assert before == (set() if window == 0 else ids)
+
+
 def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
     batches = windows_for(11, 8, 3)
     from reorder.plan import orders as plan

@@ -202,14 +202,16 @@ class WindowExchanger:
         if len(batches) > self.window_size:
             raise ValueError(f"window has {len(batches)} micro-batches: expected 1..window_size={self.window_size}")
         layouts, shards, blobs, counts = [], [], [], []
+        early = self.early_copy and self.device is not None
         for slot, batch in enumerate(batches):
+            started = self._start_copies(batch) if early else {}
             layout, shard, c = self._count(slot, batch)
             if layouts and layout != layouts[0]:
                 raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
                                   f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
-            if self.early_copy and self.device is not None:  # counted where it lives; copies start now
-                shard.dense = {k: v.to(self.device, non_blocking=True) for k, v in shard.dense.items()}
-                shard.ragged = {k: v.to(self.device, non_blocking=True) for k, v in shard.ragged.items()}
+            if early:  # counted where it lives; the copies not started before counting start now
+                shard.dense = {k: self._copy_of(v, started) for k, v in shard.dense.items()}
+                shard.ragged = {k: self._copy_of(v, started) for k, v in shard.ragged.items()}
             b = shard.list_blobs()
             c[:, COLUMNS.index("list_bytes")] = [len(x) for x in b]
             layouts.append(layout)
@@ -217,6 +219,24 @@ class WindowExchanger:
             blobs.append(b)
             counts.append(c)
         return _Window(layouts[0], shards, blobs, SampleCounts(np.stack(counts)))
+
+    def _start_copies(self, batch) -> dict:
+        """early_copy: {id(tensor): its copy on `device`} for the per-sample fields of the last
+        planned window's layout found in `batch`, started before counting so the copies overlap it
+        (the first window, or fields the layout does not name, start after counting)."""
+        out = {}
+        for path in self._paths or ():
+            try:
+                t = field_at(batch, path)
+            except (KeyError, TypeError, IndexError):
+                continue
+            if isinstance(t, torch.Tensor):
+                out[id(t)] = t.to(self.device, non_blocking=True)
+        return out
+
+    def _copy_of(self, t, started: dict):
+        copy = started.get(id(t))
+        return t.to(self.device, non_blocking=True) if copy is None else copy
 
     def _count(self, slot, batch):
         """(layout, shard, counts table [B/dp, columns]) of one micro-batch; raises LayoutError."""
