@@ -7,7 +7,8 @@ Parts: count (input_ids / attention_mask counting, its one host copy included), 
 layout walk), plan (`plan_window`), moves (`build_moves`), outputs (`empty_shard` of every output
 slot), and the executor's run on the assemble table, split into its table checks, `launch_table`,
 and the launch itself where the executor is Triton (staging, table copy, kernel). `--profile`
-also prints the top of a cProfile of whole windows.
+also prints the top of a cProfile of whole windows; `--no-copies` replaces the executor by one that
+copies nothing, so on a CPU the window's own host work is timed without the torch executor's copies.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def host_us(fn, reps: int) -> float:
     return float(np.median(out) * 1e6)
 
 
+class _NoCopies:
+    """An executor that checks nothing and copies nothing (`--no-copies`)."""
+
+    name, reads_pinned_host = "none", False
+
+    def run(self, segments, sources, destinations) -> None:
+        pass
+
+
 def parts(args, dev) -> dict:
     batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
                                                                args.mix)]
@@ -60,6 +70,8 @@ def parts(args, dev) -> dict:
     sources = ex._sources(layout, window)
     out_counts = SampleCounts(moves.out_counts.table[0])
     made = empty_shard(layout, out_counts, dev)
+    if args.no_copies:
+        ex._executors[dev] = _NoCopies()
     executor = ex._executor(dev)
     addresses = check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1])
     k = iter(range(10**9))
@@ -104,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--mix", default="large")
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-copies", action="store_true", help="an executor that copies nothing (host work only)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "host_parts.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -70,3 +70,25 @@ def test_launch_bound_bench_times_every_mode(tmp_path):
     assert list(modes) == ["off", "sync", "sync+gate", "sync+gate+backoff", "overlap", "overlap+gate",
                            "overlap+gate+backoff"]
     assert all(math.isfinite(m["ms_per_step"]) and m["ms_per_step"] > 0 for m in modes.values())
+
+
+@pytest.mark.parametrize("script,args,keys", [
+    ("single_gpu.py", ["--plan-sizes", "64x8"],
+     ["dp1_exchange_ms", "dp1_perm_ms_mb4", "host_ms_per_window", "plan_ms_64x8", "moves_ms_64x8"]),
+    ("host_parts.py", ["--no-copies"], ["window", "count", "describe", "plan", "moves", "outputs", "executor_run"]),
+], ids=["single_gpu", "host_parts"])
+def test_single_gpu_benchmarks_write_their_keys(tmp_path, script, args, keys):
+    """The one-GPU benchmarks run on CPU at toy sizes and write the keys their GPU figures come from."""
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(ROOT / "bench" / script), "--device", "cpu", "--features", "8", "--reps", "3",
+           *args, "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for k in keys:
+        assert isinstance(result[k], float) and math.isfinite(result[k]) and result[k] > 0, (k, result.get(k))
+    if script == "single_gpu.py":
+        assert result["executor"] == "torch" and result["ops_per_window"] > 0
+    else:
+        assert result["executor"] == "none" and result["segments"] > 0
