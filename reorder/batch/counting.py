@@ -8,6 +8,8 @@ carries grid_thw when it lives there.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -88,8 +90,8 @@ _KERNEL = []  # [the Triton counting kernel, or None where triton does not impor
 def _counts_kernel(model, input_ids, attention_mask, grid_thw, interpret: bool = False):
     """The [B, 4] count table and grid_thw's values (int64, flat, on input_ids' device) from one
     Triton launch, or None where it does not apply: not a CUDA tensor (unless `interpret`: CPU
-    tensors through Triton's interpreter, for tests), triton missing, an empty input_ids, or a field
-    not contiguous (the torch ops count those)."""
+    tensors through Triton's interpreter, for tests), triton missing, an empty input_ids, a field
+    not contiguous, or a kernel that failed to launch once (logged; the torch ops count those)."""
     if not interpret and input_ids.device.type != "cuda":
         return None
     if not _KERNEL:
@@ -110,11 +112,17 @@ def _counts_kernel(model, input_ids, attention_mask, grid_thw, interpret: bool =
             input_ids if grid_thw is None else grid_thw, out, s, n_thw, model.image_token_id,
             model.vision_start_token_id)
     meta = dict(HAS_MASK=attention_mask is not None, HAS_THW=n_thw > 0, BLOCK=1024)
-    if interpret:
-        kernel[(b,)](*args, **meta)
-    else:
-        with torch.cuda.device(input_ids.device):  # Triton launches on the current device and stream
-            kernel[(b,)](*args, **meta, num_warps=4)
+    try:
+        if interpret:
+            kernel[(b,)](*args, **meta)
+        else:
+            with torch.cuda.device(input_ids.device):  # Triton launches on the current device and stream
+                kernel[(b,)](*args, **meta, num_warps=4)
+    except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops count from now on
+        _KERNEL[0] = None
+        logging.getLogger("reorder").warning("reorder: the Triton counting kernel failed (%s: %s); counting "
+                                             "with torch ops from now on", type(e).__name__, e)
+        return None
     return out
 
 

@@ -113,3 +113,24 @@ def test_kernel_is_not_used_off_cuda_or_on_strided_fields(monkeypatch):
     assert calls == []
     assert counting._counts_kernel(MODEL, ids, torch.ones(2, 8), None, interpret=True) is not None
     assert len(calls) == 1
+
+
+def test_a_kernel_that_fails_leaves_counting_to_the_torch_ops(monkeypatch, caplog):
+    """A launch that raises (e.g. no Triton compiler for the GPU) is logged once and counting goes on
+    with the torch ops: the kernel is not tried again."""
+    tries = []
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                tries.append(grid)
+                raise RuntimeError("no compiler for this GPU")
+            return launch
+
+    monkeypatch.setattr(counting, "_KERNEL", [Broken()])
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    with caplog.at_level("WARNING", logger="reorder"):
+        assert counting._counts_kernel(MODEL, ids, None, None, interpret=True) is None
+        assert counting._counts_kernel(MODEL, ids, None, None, interpret=True) is None
+    assert tries == [(2,)] and counting._KERNEL == [None]
+    assert "Triton counting kernel failed (RuntimeError: no compiler for this GPU)" in caplog.text
