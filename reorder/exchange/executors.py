@@ -212,7 +212,9 @@ class TritonExecutor:
     of `block_bytes` copies its bytes with the widest word the relative alignment of its source and
     destination allows (16-byte aligned int64 pairs, int32, int16, else bytes), head and tail bytes
     apart. Under TRITON_INTERPRET=1 (set before construction) it runs on CPU tensors instead, through
-    Triton's interpreter: that is how the kernel is tested without a GPU."""
+    Triton's interpreter: that is how the kernel is tested without a GPU. A launch that raises (e.g.
+    no Triton compiler for this GPU) is logged once; that run and every later one go through the
+    torch executor."""
 
     name = "triton"
     reads_pinned_host = True  # pinned host memory is device-addressable: the kernel reads it directly
@@ -226,6 +228,7 @@ class TritonExecutor:
         from reorder.exchange import triton_copy  # ImportError here when triton is missing
 
         self._kernel = triton_copy.copy_segments
+        self._fallback = None  # the torch executor, once a launch has failed
 
     def run(self, segments: Segments, sources: list[torch.Tensor],
             destinations: list[torch.Tensor]) -> None:
@@ -234,6 +237,17 @@ class TritonExecutor:
         if not live.any():
             return
         device = self._check_devices(segments, live, sources, destinations)
+        if self._fallback is not None:
+            return self._fallback.run(segments, sources, destinations)
+        try:
+            self._launch(segments, src_ptr, dst_ptr, device)
+        except Exception as e:  # e.g. no Triton compiler for this GPU: nothing was copied yet
+            self._fallback = TorchExecutor()
+            log.warning("reorder: the Triton copy kernel failed (%s: %s); segment copies run the torch "
+                        "executor from now on", type(e).__name__, e)
+            self._fallback.run(segments, sources, destinations)
+
+    def _launch(self, segments: Segments, src_ptr: np.ndarray, dst_ptr: np.ndarray, device: int) -> None:
         staged = []
 
         def stage(size):
