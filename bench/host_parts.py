@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.single_gpu import COST, permuted_batches  # noqa: E402
+from bench.single_gpu import COST, permuted_batches, profile, window_options  # noqa: E402
 from reorder import Grid, WindowExchanger  # noqa: E402
 from reorder.batch.blocks import byte_fields, empty_shard, unit_bytes  # noqa: E402
 from reorder.batch.layout import describe, grid_thw_of  # noqa: E402
@@ -109,12 +109,7 @@ def parts(args, dev) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--features", type=int, default=1176)
-    p.add_argument("--mix", default="large")
-    p.add_argument("--reps", type=int, default=200)
+    window_options(p, reps=200)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-copies", action="store_true", help="an executor that copies nothing (host work only)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "host_parts.json"))
@@ -126,9 +121,7 @@ def main(argv=None) -> int:
     for k, v in res.items():
         print(f"{k:14s} {v:9.1f}" if isinstance(v, float) else f"{k:14s} {v:>9}")
     if args.profile:
-        from bench.single_gpu import profile
-        profile(argparse.Namespace(micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features,
-                                   mix=args.mix, reps=args.reps), dev)
+        profile(args, dev)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0

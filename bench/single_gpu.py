@@ -124,14 +124,19 @@ def planning(sizes, reps) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def window_options(p: argparse.ArgumentParser, reps: int) -> None:
+    """The options that shape the timed window (shared with bench/host_parts.py)."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--features", type=int, default=1176)
     p.add_argument("--mix", default="large")
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--reps", type=int, default=reps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    window_options(p, reps=50)
     p.add_argument("--plan-sizes", default="1024x64,8192x1024")
     p.add_argument("--profile", action="store_true", help="also print the top of a cProfile of dp-1 windows")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "single_gpu.json"))

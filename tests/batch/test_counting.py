@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from reorder import CostModel
 from reorder.batch import counting
+from support.kernels import BrokenKernel
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE, START = 7, 5
@@ -118,19 +119,11 @@ def test_kernel_is_not_used_off_cuda_or_on_strided_fields(monkeypatch):
 def test_a_kernel_that_fails_leaves_counting_to_the_torch_ops(monkeypatch, caplog):
     """A launch that raises (e.g. no Triton compiler for the GPU) is logged once and counting goes on
     with the torch ops: the kernel is not tried again."""
-    tries = []
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*a, **k):
-                tries.append(grid)
-                raise RuntimeError("no compiler for this GPU")
-            return launch
-
-    monkeypatch.setattr(counting, "_KERNEL", [Broken()])
+    broken = BrokenKernel()
+    monkeypatch.setattr(counting, "_KERNEL", [broken])
     ids = torch.zeros(2, 8, dtype=torch.int64)
     with caplog.at_level("WARNING", logger="reorder"):
         assert counting._counts_kernel(MODEL, ids, None, None, interpret=True) is None
         assert counting._counts_kernel(MODEL, ids, None, None, interpret=True) is None
-    assert tries == [(2,)] and counting._KERNEL == [None]
+    assert broken.launches == [(2,)] and counting._KERNEL == [None]
     assert "Triton counting kernel failed (RuntimeError: no compiler for this GPU)" in caplog.text

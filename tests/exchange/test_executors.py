@@ -244,18 +244,11 @@ def test_triton_executor_refuses_buffers_it_cannot_address():
 def test_triton_executor_falls_back_to_torch_when_a_launch_fails(caplog):
     """A kernel launch that raises is logged once; the run is carried out by the torch executor,
     byte for byte, and so is every later run (the kernel is not tried again)."""
-    tries = []
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*a, **k):
-                tries.append(grid)
-                raise RuntimeError("no compiler for this GPU")
-            return launch
+    from support.kernels import BrokenKernel
 
     triton_ex = object.__new__(ex.TritonExecutor)  # no triton needed: the kernel is the broken one
     triton_ex.interpret, triton_ex.block_bytes, triton_ex.num_warps = True, 64, 4
-    triton_ex._kernel, triton_ex._fallback = Broken(), None
+    triton_ex._kernel, triton_ex._fallback = BrokenKernel(), None
     rng = np.random.default_rng(3)
     with caplog.at_level("WARNING", logger="reorder"):
         for _ in range(2):
@@ -265,7 +258,7 @@ def test_triton_executor_falls_back_to_torch_when_a_launch_fails(caplog):
             want = oracle(segs, src.as_bytes(), dst.as_bytes())
             triton_ex.run(segs, src.typed, dst.typed)
             assert dst.as_bytes() == want
-    assert len(tries) == 1 and isinstance(triton_ex._fallback, TorchExecutor)
+    assert len(triton_ex._kernel.launches) == 1 and isinstance(triton_ex._fallback, TorchExecutor)
     assert caplog.text.count("Triton copy kernel failed (RuntimeError: no compiler for this GPU)") == 1
 
 
