@@ -191,8 +191,8 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
              batch_dims: dict | None = None, image_counts: np.ndarray | None = None,
              grid_thw_host: np.ndarray | None = None, where: str = "") -> tuple[BatchLayout, Shard]:
     """Split one rank's micro-batch of `local_batch` samples into its layout and a shard
-    (image_counts: per-sample vision-start tokens, int64 numpy [local_batch]; grid_thw_host: grid_thw already on the host, as int64;
-    where: how error messages name this micro-batch, e.g. "micro-batch 2 ").
+    (image_counts: per-sample vision-start tokens, int64 numpy [local_batch]; grid_thw_host: grid_thw
+    already on the host, as int64; where: how error messages name this micro-batch, e.g. "micro-batch 2 ").
 
     Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
     not match the vision tensors, or a per-sample field whose batch dim is not `local_batch`.
@@ -250,9 +250,8 @@ def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_co
     if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
         raise LayoutError(f"field {'/'.join(grid_thw_path)!r} must be an [n_images, 3] tensor")
     enc = grid_thw_path[:-1]
-    if image_counts is None:
-        image_counts = (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64).numpy()
-    counts = image_counts
+    counts = image_counts if image_counts is not None else \
+        (ids == vision_start_token_id).sum(dim=1).to("cpu", torch.int64).numpy()
     n_img = int(counts.sum())
     if grid_thw.shape[0] != n_img:
         raise LayoutError(f"field {'/'.join(grid_thw_path)!r} has {grid_thw.shape[0]} images but input_ids holds "
@@ -284,7 +283,7 @@ def _describe_vision(vision, ids, vision_start_token_id, ragged, shard, image_co
         ragged.append(_ragged_field(path, per, v.dtype, tuple(v.shape[1:])))
         shard.ragged[path] = v
     shard.row_counts = row_counts
-    shard.image_counts = image_counts
+    shard.image_counts = counts
     return grid_thw_path
 
 
