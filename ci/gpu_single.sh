@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-GPU suite: what a single GPU can prove and measure (both executors byte-exact, dp-1 windows,
-# the Megatron-Bridge drop-in at dp 1, host time and ops of a window, executor bandwidth, planning at
+# the Megatron-Bridge drop-in at dp 1, host time and ops of a window and of its parts, executor bandwidth, planning at
 # dp 64 and 1024). Run from the repo root on the GPU machine; logs and JSON go to
 # ${OUT:-functional_tests/results}. The two-GPU suite is ci/gpu.sh.
 set -uo pipefail
@@ -19,6 +19,7 @@ run executors_cuda python3 functional_tests/executors_cuda.py
 run dp1_cuda python3 functional_tests/dp1_cuda.py --device cuda
 run bridge_cuda python3 functional_tests/bridge_cuda.py --device cuda
 run single_gpu python3 bench/single_gpu.py --out "$LOG/single_gpu.json"
+run host_parts python3 bench/host_parts.py --out "$LOG/host_parts.json"
 run executors_bench python3 bench/executors.py --out "$LOG/executors.json"
 cat "$LOG/summary_single_gpu.txt"
 exit $status
