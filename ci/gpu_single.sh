@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU suite: what a single GPU can prove and measure (both executors byte-exact, dp-1 windows,
-# the Megatron-Bridge drop-in at dp 1, host time and ops of a window and of its parts, executor bandwidth, planning at
-# dp 64 and 1024). Run from the repo root on the GPU machine; logs and JSON go to
+# the Megatron-Bridge drop-in at dp 1, host time and ops of a window and of its parts, executor
+# bandwidth, planning at dp 64 and 1024). Run from the repo root on the GPU machine; logs and JSON go to
 # ${OUT:-functional_tests/results}. The two-GPU suite is ci/gpu.sh.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
