@@ -403,6 +403,53 @@ def test_balanced_is_the_spec_plan_on_large_edge_instances(groups, m, seed, kind
     assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups)
 
 
+MANY_GROUPS = [(256, 2), (256, 4), (300, 3), (512, 2), (1024, 2)]  # LPT and the refill by rounds
+
+
+@pytest.mark.parametrize("groups, m", MANY_GROUPS, ids=str)
+def test_balanced_and_lpt_are_the_spec_plans_on_many_groups(groups, m):
+    """From G = 256 groups LPT and the evict-and-refill run by rounds of array operations: the plans
+    are still the spec's, element for element, on every cost kind (ties, zeros, floats)."""
+    rng = np.random.default_rng(groups * m)
+    for kind in range(6):
+        c = vlm_costs(rng, groups * m, kind)
+        assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups), kind
+        assert bal.lpt(c, groups).tolist() == ref.lpt_order(c.tolist(), groups), kind
+
+
+@st.composite
+def greedy_states(draw):
+    """(xs descending, loads, rooms, shift): a list scheduling problem in progress, with ties, zero
+    costs, groups without room and loads that may be equal."""
+    groups = draw(st.integers(1, 24))
+    room = np.array(draw(st.lists(st.integers(0, 4), min_size=groups, max_size=groups)), dtype=np.int64)
+    if not room.any():
+        room[draw(st.integers(0, groups - 1))] = 1
+    value = st.sampled_from([0.0, 1.0, 2.0, 2.5, 1e4]) | st.integers(0, 40).map(float)
+    xs = np.array(sorted(draw(st.lists(value, min_size=int(room.sum()), max_size=int(room.sum()))), reverse=True))
+    load = np.array(draw(st.lists(value, min_size=groups, max_size=groups)))
+    shift = draw(st.sampled_from([0.0, 0.0, 1.0, 3.25]))
+    return xs, load, room, shift
+
+
+@settings(max_examples=300, deadline=None)
+@given(greedy_states(), st.sampled_from([1, 2, 8, 10**6]))
+def test_greedy_by_rounds_is_the_heap(problem, short_round):
+    """List scheduling by rounds gives the heap's groups, loads and rooms exactly, whatever the
+    rounds hand to the heap (`_SHORT_ROUND` 10**6: every round short; 1: never)."""
+    xs, load, room, shift = problem
+    want_load, want_room = load.copy(), room.copy()
+    want = bal._greedy_heap(xs, 0, len(xs), want_load, want_room, shift)
+    saved, bal._SHORT_ROUND = bal._SHORT_ROUND, short_round
+    try:
+        got = bal._greedy_rounds(xs, load, room, shift)
+    finally:
+        bal._SHORT_ROUND = saved
+    assert got.tolist() == want.tolist()
+    assert room.tolist() == want_room.tolist() == [0] * len(room)
+    assert load.tolist() == want_load.tolist()
+
+
 def test_lpt_with_one_group():
     assert bal.lpt(np.array([1.0, 2.0]), 1).tolist() == [1, 0] == ref.lpt_order([1.0, 2.0], 1)
     assert bal.lpt(np.array([0.0, 3, 1]), 1).tolist() == [1, 2, 0] == ref.lpt_order([0.0, 3, 1], 1)
@@ -432,7 +479,7 @@ def same(state, M, C, L):
     assert (M.tolist(), C.tolist(), L.tolist()) == tuple(state)
 
 
-@pytest.mark.parametrize("shape", [(4, 64), (16, 16), (64, 4), (8, 32), (3, 100), (32, 8)])
+@pytest.mark.parametrize("shape", [(4, 64), (16, 16), (64, 4), (8, 32), (3, 100), (32, 8), (512, 2), (300, 4)])
 def test_evict_and_refill_is_the_spec_step(shape):
     rng = np.random.default_rng(sum(shape))
     groups, m = shape

@@ -93,6 +93,8 @@ _EXHAUSTIVE_B = 10    # B at or below: every partition is tried, the max load is
 _EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
 _FILTER_MIN_P = 1000  # re-splits of two groups over at least this many partitions filter by approximate loads
 _FILTER_TOL = 1e-11   # the filter's margin, relative to the row total: far above its approximation error
+_ROUNDS_MIN_G = 256  # groups with room at or above: list scheduling by rounds of array operations
+_SHORT_ROUND = 8     # a round of fewer than G / this samples hands the next G samples to the heap
 
 
 def _row_sums(C: np.ndarray) -> np.ndarray:
@@ -186,7 +188,18 @@ def _sums_are_exact(c: np.ndarray) -> bool:
 
 def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray):
     """Equal-count LPT exactly as `lpt` (same visiting order, same float additions): its max group
-    load and the group of every sample in visiting order. When the G largest costs are positive
+    load and the group of every sample in visiting order. On many groups by rounds of array
+    operations (`_greedy_rounds`), else through a heap (`_lpt_heap`): the same result."""
+    if groups < _ROUNDS_MIN_G:
+        return _lpt_heap(c, groups, visit)
+    load = np.zeros(groups)
+    grp = _greedy_rounds(c[visit], load, np.full(groups, len(c) // groups), 0.0)
+    return float(load.max()), grp
+
+
+def _lpt_heap(c: np.ndarray, groups: int, visit: np.ndarray):
+    """`_lpt_run` one sample at a time through a heap (`_greedy` with its room kept in the heap
+    entries: the fastest loop on few groups). When the G largest costs are positive
     they go to groups 0..G-1 in order (every load is 0 until then, ties by group index), so that
     first round is set up directly."""
     cap = len(c) // groups
@@ -211,6 +224,73 @@ def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray):
             if load + x > top:
                 top = load + x
     return top, assigned
+
+
+def _greedy(xs: np.ndarray, load: np.ndarray, room: np.ndarray, shift: float) -> np.ndarray:
+    """List scheduling with room: xs in order, each to the group with room left of lowest (load,
+    group index), whose load becomes (load + x) - shift and room one less (LPT: xs descending, room
+    B/G, shift 0). Returns the group of every x (int64); `load` and `room` are updated in place
+    (with shift 0 the loads are then the final group loads). One x at a time through a heap on
+    few groups; on many, by rounds of array operations with the same result (`_greedy_rounds`)."""
+    if np.count_nonzero(room) < _ROUNDS_MIN_G:
+        return _greedy_heap(xs, 0, len(xs), load, room, shift)
+    return _greedy_rounds(xs, load, room, shift)
+
+
+def _greedy_rounds(xs, load, room, shift):
+    """`_greedy` by rounds: the groups with room, sorted by (load, group), take the next xs, one
+    each, as long as that is what the heap would do: x_i goes to the i-th group while no group that
+    took one of the xs before it (and has room left) has a new load at or below the i-th group's
+    (the heap takes the lowest (load, group); a tie stops the round). A short round hands the next
+    G xs to the heap. With shift 0, zeros at the end (xs descending) fill the groups with room, the
+    least loaded first, each to its room: a zero leaves its group the least loaded."""
+    n, G = len(xs), len(load)
+    end = n - int(np.searchsorted(xs[::-1], 0.0, side="right")) if shift == 0.0 and n and xs[-1] == 0 else n
+    grp = np.empty(n, dtype=np.int64)
+    t = 0
+    while t < end:
+        open_ = np.flatnonzero(room)
+        take = open_[np.lexsort((open_, load[open_]))][:end - t]
+        new = (load[take] + xs[t:t + len(take)]) - shift
+        stays = room[take] > 1
+        lowest = np.minimum.accumulate(np.where(stays, new, math.inf))  # of the takers with room left
+        late = np.flatnonzero(load[take[1:]] >= lowest[:-1])
+        r = int(late[0]) + 1 if len(late) else len(take)
+        load[take[:r]] = new[:r]
+        room[take[:r]] -= 1
+        grp[t:t + r] = take[:r]
+        t += r
+        if r < G // _SHORT_ROUND and t < end:
+            grp[t:min(end, t + G)] = _greedy_heap(xs, t, min(end, t + G), load, room, shift)
+            t = min(end, t + G)
+    if t < n:
+        open_ = np.flatnonzero(room)
+        order = open_[np.lexsort((open_, load[open_]))]
+        grp[t:] = np.repeat(order, room[order])
+        room[order] = 0
+    return grp
+
+
+def _greedy_heap(xs, t: int, end: int, load, room, shift: float) -> np.ndarray:
+    """`_greedy` of xs[t:end] one at a time through a heap of (load, group)."""
+    L, R = load.tolist(), room.tolist()
+    heap = [(L[j], j) for j in range(len(L)) if R[j]]
+    heapq.heapify(heap)
+    took = []
+    push, replace, pop = took.append, heapq.heapreplace, heapq.heappop
+    for x in xs[t:end].tolist():
+        lo, j = heap[0]
+        push(j)
+        R[j] -= 1
+        if R[j]:
+            replace(heap, ((lo + x) - shift, j))
+        else:
+            pop(heap)
+            L[j] = (lo + x) - shift
+    for lo, j in heap:
+        L[j] = lo
+    load[:], room[:] = L, R
+    return np.array(took, dtype=np.int64)
 
 
 def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray) -> float:
@@ -340,25 +420,12 @@ def _refill(M, C, out):
     items, ic = M[gi, pi], C[gi, pi]
     pinned = _row_sums(np.where(out, 0.0, C))
     vacant = np.bincount(gi, minlength=G)
-    open_groups = np.flatnonzero(vacant)
-    extra = len(ic) - len(open_groups)
+    extra = len(ic) - np.count_nonzero(vacant)
     avg = float(np.cumsum(np.sort(ic)[:extra])[-1] / extra) if extra > 0 else 0.0
-    heap = list(zip((pinned[open_groups] + (vacant[open_groups] - 1) * avg).tolist(), open_groups.tolist()))
-    heapq.heapify(heap)
-    left = vacant.tolist()
-    dst = []
-    push, replace, pop = dst.append, heapq.heapreplace, heapq.heappop
     visit = np.argsort(-ic, kind="stable")                    # ties by slot, row by row
-    for x in ic[visit].tolist():
-        load, j = heap[0]
-        push(j)
-        left[j] -= 1
-        if left[j]:
-            replace(heap, (load + x - avg, j))
-        else:
-            pop(heap)
+    dst = _greedy(ic[visit], np.where(vacant > 0, pinned + (vacant - 1) * avg, 0.0), vacant, avg)
     # the vacated slots (gi, pi) are grouped by group: fill them in the same grouping
-    fill = visit[np.argsort(np.array(dst), kind="stable")]
+    fill = visit[np.argsort(dst, kind="stable")]
     M, C = M.copy(), C.copy()
     M[gi, pi] = items[fill]
     C[gi, pi] = ic[fill]
