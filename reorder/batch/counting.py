@@ -2,8 +2,8 @@
 
 From `input_ids` (and `attention_mask`): image placeholder tokens, real tokens, images (vision-start
 tokens) and, for the quadratic cost, the sum over images (runs of placeholders) of patches**2. On the
-host with numpy (no torch dispatch); on a device with a few kernels and one host copy, which also
-carries grid_thw when it lives there.
+host with numpy (no torch dispatch); on a CUDA device with one Triton launch (`triton_count`), else
+with a few torch ops, then one host copy, which also carries grid_thw when it lives there.
 """
 
 from __future__ import annotations
