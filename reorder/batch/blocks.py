@@ -51,29 +51,42 @@ def field_buffers(layout: BatchLayout, shard: Shard, blobs: list) -> list:
     return out
 
 
+def _shard(layout: BatchLayout, counts: SampleCounts, tensor) -> Shard:
+    """A shard of the samples counted by `counts` [n] whose every field is `tensor(dtype, shape)`,
+    made in `byte_fields` order (dense fields, then per-row and per-image ones), with the samples'
+    row and image counts."""
+    n = counts.shape[0]
+    shard = Shard(n=n)
+    for f in layout.dense:
+        shard.dense[f.path] = tensor(f.dtype, f.full_shape(n))
+    totals = {"row": int(counts.rows.sum()), "image": int(counts.images.sum())}
+    for f in layout.ragged:
+        shard.ragged[f.path] = tensor(f.dtype, (totals[f.per], *f.entry_shape))
+    if layout.ragged:
+        shard.row_counts, shard.image_counts = counts.rows.copy(), counts.images.copy()
+    return shard
+
+
 def empty_shard(layout: BatchLayout, counts: SampleCounts, device: torch.device) -> tuple:
     """(shard, buffers): a shard of the samples counted by `counts` [n] with every field allocated,
     uninitialized, on `device`, and its buffers in `byte_fields` order, to be written by an
     executor (laid out like `field_buffers`; the list field is a uint8 buffer of the samples'
     pickled list bytes, decoded by `read_lists` once written)."""
-    n = counts.shape[0]
-    shard, buffers = Shard(n=n), []
-    for f in layout.dense:
-        shard.dense[f.path] = t = torch.empty(f.full_shape(n), dtype=f.dtype, device=device)
-        buffers.append(t)
-    totals = {"row": int(counts.rows.sum()), "image": int(counts.images.sum())}
-    for f in layout.ragged:
-        shard.ragged[f.path] = t = torch.empty((totals[f.per], *f.entry_shape), dtype=f.dtype, device=device)
-        buffers.append(t)
-    if layout.ragged:
-        shard.row_counts, shard.image_counts = counts.rows.copy(), counts.images.copy()
+    buffers = []
+
+    def allocate(dtype, shape):
+        buffers.append(torch.empty(shape, dtype=dtype, device=device))
+        return buffers[-1]
+
+    shard = _shard(layout, counts, allocate)
     if layout.lists:
         buffers.append(torch.empty(int(counts.list_bytes.sum()), dtype=torch.uint8, device=device))
     return shard, buffers
 
 
 def read_lists(shard: Shard, buffer: torch.Tensor, counts: SampleCounts) -> None:
-    """Unpickle the samples' list entries from a written list buffer of `empty_shard` into `shard`."""
+    """Unpickle the samples' list entries from a written list buffer of `empty_shard` (or a block's
+    list region) into `shard`."""
     raw = bytes(buffer.cpu().numpy())  # one device-to-host copy
     ends = np.cumsum([0] + counts.list_bytes.tolist())
     shard.lists = [pickle.loads(raw[a:b]) for a, b in zip(ends[:-1].tolist(), ends[1:].tolist())]
@@ -82,22 +95,11 @@ def read_lists(shard: Shard, buffer: torch.Tensor, counts: SampleCounts) -> None
 def view_block(layout: BatchLayout, block: torch.Tensor, regions: np.ndarray, counts: SampleCounts) -> Shard:
     """The b samples written into `block` (uint8, the wire format; field regions at byte offsets
     `regions`) as a shard of typed views; counts [b]: the samples' rows, images and list bytes."""
-    n = counts.shape[0]
-    out = Shard(n=n)
     at = iter(regions.tolist())
-    for f in layout.dense:
-        out.dense[f.path] = _view(block, next(at), f.dtype, f.full_shape(n))
-    totals = {"row": int(counts.rows.sum()), "image": int(counts.images.sum())}
-    for f in layout.ragged:
-        out.ragged[f.path] = _view(block, next(at), f.dtype, (totals[f.per], *f.entry_shape))
-    if layout.ragged:
-        out.row_counts, out.image_counts = counts.rows.copy(), counts.images.copy()
+    out = _shard(layout, counts, lambda dtype, shape: _view(block, next(at), dtype, shape))
     if layout.lists:
-        lens = counts.list_bytes.tolist()
         start = next(at)
-        raw = bytes(block[start:start + sum(lens)].cpu().numpy())  # one device-to-host copy
-        ends = np.cumsum([0] + lens)
-        out.lists = [pickle.loads(raw[a:b]) for a, b in zip(ends[:-1], ends[1:])]
+        read_lists(out, block[start:start + int(counts.list_bytes.sum())], counts)
     return out
 
 
