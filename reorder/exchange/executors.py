@@ -39,10 +39,6 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def buffer_sizes(buffers: Sequence[torch.Tensor]) -> np.ndarray:
-    return np.array([t.nbytes for t in buffers], dtype=np.int64)
-
-
 def _addresses(side: str, buffers: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """(address, bytes) of every buffer, int64; ValueError for one that is not contiguous."""
     ptr, size = [], []
