@@ -159,6 +159,7 @@ def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: Pla
     costs = window_costs(counts, cost, settings.given_costs)
     w, batch = costs.shape
     ids = np.arange(w * batch)  # flat natural ids
+    src_slot = ids // batch
     cross = settings.cross_slot and w > 1
     if cross:  # one assignment over W x G cells: the window is one batch of W*B samples
         order, gated = plan_gated_orders(costs.reshape(1, costs.size), grid.groups * w, settings.balancer,
@@ -170,11 +171,11 @@ def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: Pla
     else:
         orders, gated = plan_gated_orders(costs, grid.groups, settings.balancer, settings.min_gain,
                                           settings.min_saving)
-        dest_slot = ids // batch
+        dest_slot = src_slot
         dest_pos = inverse(orders).ravel()
         after = rank_loads(costs, orders, grid.dp)
     b = batch // grid.dp
-    moved = ((dest_pos // b != ids % batch // b) | (dest_slot != ids // batch)).reshape(w, batch)
+    moved = ((dest_pos // b != ids % batch // b) | (dest_slot != src_slot)).reshape(w, batch)
     moved_bytes = 0
     if moved.any():
         d, r, i = unit_bytes
