@@ -6,7 +6,9 @@ timed alone in a loop (host time, not synchronized, median per call), next to th
 Parts: count (input_ids / attention_mask counting, its one host copy included), describe (the
 layout walk), plan (`plan_window`), moves (`build_moves`), outputs (`empty_shard` of every output
 slot), and the executor's run on the assemble table, split into its table checks, `launch_table`,
-and the launch itself where the executor is Triton (staging, table copy, kernel). `--profile`
+and the launch itself where the executor is Triton (staging, table copy, kernel). Next to each time,
+what one call of the part runs, counted (`calls`: the same on every host, unlike times): Python
+function calls and C calls into numpy, torch and others (JSON key "calls"). `--profile`
 also prints the top of a cProfile of whole windows; `--no-copies` replaces the executor by one that
 copies nothing, so on a CPU the window's own host work is timed without the torch executor's copies.
 """
@@ -32,6 +34,39 @@ from reorder.exchange.executors import check_bounds, launch_table  # noqa: E402
 from reorder.plan.counts import SampleCounts  # noqa: E402
 from reorder.plan.moves import build_moves  # noqa: E402
 from reorder.plan.window import plan_window  # noqa: E402
+
+
+def _library(fn) -> str:
+    """"numpy", "torch" or "other": whose C function `fn` is (a c_call of sys.setprofile)."""
+    owner = getattr(fn, "__self__", None)
+    name = (getattr(fn, "__module__", None) or type(owner).__module__ if owner is not None else
+            getattr(fn, "__module__", None)) or ""
+    if isinstance(owner, np.ufunc) or isinstance(fn, np.ufunc):
+        return "numpy"
+    root = name.split(".")[0]
+    return root if root in ("numpy", "torch") else "other"
+
+
+def calls(fn) -> dict:
+    """What one call of fn() executes, counted (deterministic, unlike its time): Python function
+    calls, and C calls into numpy, into torch, and others (builtins, methods of lists and dicts)."""
+    fn()
+    out = {"python": 0, "numpy": 0, "torch": 0, "other": 0}
+
+    def count(frame, event, arg):
+        if event == "call":
+            out["python"] += 1
+        elif event == "c_call":
+            out[_library(arg)] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    out["python"] -= 1  # fn itself
+    out["other"] -= 1  # sys.setprofile(None)
+    return out
 
 
 def host_us(fn, reps: int) -> float:
@@ -75,24 +110,26 @@ def parts(args, dev) -> dict:
     executor = ex._executor(dev)
     addresses = check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1])
     k = iter(range(10**9))
-    res = {
-        "window": host_us(lambda: ex.exchange([batches[next(k) % len(batches)]]), args.reps),
-        "count": host_us(lambda: COST.counts(b["input_ids"], b["attention_mask"], grid_thw=grid_thw_of(b)),
-                         args.reps),
-        "describe": host_us(lambda: describe(b, args.micro_batch, vision_start_token_id=COST.vision_start_token_id,
-                                             image_counts=torch.from_numpy(counts.images[0].copy())), args.reps),
-        "prepare": host_us(lambda: ex._prepare([b]), args.reps),
-        "plan": host_us(lambda: plan_window(counts, COST, ex.grid, ex.settings, unit_bytes(layout)), args.reps),
-        "moves": host_us(lambda: build_moves(fields, counts, plan, 0), args.reps),
-        "sources": host_us(lambda: ex._sources(layout, window), args.reps),
-        "outputs": host_us(lambda: empty_shard(layout, out_counts, dev), args.reps),
-        "check_bounds": host_us(lambda: check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1]),
-                                args.reps),
-        "launch_table": host_us(lambda: launch_table(moves.assemble, *addresses, 16384), args.reps),
-        "executor_run": host_us(lambda: executor.run(moves.assemble, [sources[0][:0]] + sources, made[1]), args.reps),
+    timed = {
+        "window": lambda: ex.exchange([batches[next(k) % len(batches)]]),
+        "count": lambda: COST.counts(b["input_ids"], b["attention_mask"], grid_thw=grid_thw_of(b)),
+        "describe": lambda: describe(b, args.micro_batch, vision_start_token_id=COST.vision_start_token_id,
+                                     image_counts=torch.from_numpy(counts.images[0].copy())),
+        "prepare": lambda: ex._prepare([b]),
+        "plan": lambda: plan_window(counts, COST, ex.grid, ex.settings, unit_bytes(layout)),
+        "moves": lambda: build_moves(fields, counts, plan, 0),
+        "sources": lambda: ex._sources(layout, window),
+        "outputs": lambda: empty_shard(layout, out_counts, dev),
+        "check_bounds": lambda: check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1]),
+        "launch_table": lambda: launch_table(moves.assemble, *addresses, 16384),
+        "executor_run": lambda: executor.run(moves.assemble, [sources[0][:0]] + sources, made[1]),
+    }
+    res = {name: host_us(fn, args.reps) for name, fn in timed.items()}
+    res["calls"] = {name: calls(fn) for name, fn in timed.items()}
+    res.update({
         "segments": int(len(moves.assemble)),
         "executor": executor.name,
-    }
+    })
     if dev.type == "cuda":
         res["pinned_alloc"] = host_us(lambda: torch.empty(256, dtype=torch.int64, pin_memory=True), args.reps)
         staged = torch.empty(256, dtype=torch.int64, pin_memory=True)
@@ -117,9 +154,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     res = parts(args, dev)
-    print(f"{'part':14s} {'host us':>9s}")
+    print(f"{'part':14s} {'host us':>9s} {'python':>7s} {'numpy':>6s} {'torch':>6s} {'other':>6s}")
     for k, v in res.items():
-        print(f"{k:14s} {v:9.1f}" if isinstance(v, float) else f"{k:14s} {v:>9}")
+        if isinstance(v, float):
+            c = res["calls"][k]
+            print(f"{k:14s} {v:9.1f} {c['python']:7d} {c['numpy']:6d} {c['torch']:6d} {c['other']:6d}")
+        elif k != "calls":
+            print(f"{k:14s} {v:>9}")
     if args.profile:
         profile(args, dev)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -92,3 +92,26 @@ def test_single_gpu_benchmarks_write_their_keys(tmp_path, script, args, keys):
         assert result["executor"] == "torch" and result["ops_per_window"] > 0
     else:
         assert result["executor"] == "none" and result["segments"] > 0
+        window, parts = result["calls"]["window"], result["calls"]
+        for lib in ("python", "numpy", "torch"):  # a window runs every part (no copies: no executor calls)
+            assert window[lib] >= sum(parts[k][lib] for k in ("prepare", "plan", "moves", "outputs")) > 0, lib
+
+
+def test_calls_counts_what_a_function_runs():
+    """bench/host_parts.calls: Python calls, and C calls by library, of one call (the function itself
+    and the profiler's own switch-off not included)."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+    import torch
+
+    from bench.host_parts import calls
+
+    def inner(a):
+        return np.add.reduce(a) + len(a)  # one numpy C call, one builtin
+
+    def work():
+        a = np.arange(4)  # numpy
+        torch.zeros(2)  # torch
+        return inner(a) + inner(a)  # two Python calls
+
+    assert calls(work) == {"python": 2, "numpy": 3, "torch": 1, "other": 2}

@@ -173,18 +173,21 @@ def tensors(obj):
 def grid_thw_of(batch) -> torch.Tensor | None:
     """The batch's grid_thw tensor when it carries exactly one (else None: `describe` explains)."""
     mi = batch.get("modality_inputs") if isinstance(batch, dict) else None
-    found = [v for p, v in _walk(mi) if p and p[-1] == "grid_thw"] if isinstance(mi, dict) else []
+    found = [v for p, v in _leaves(mi, (), []) if p[-1] == "grid_thw"] if isinstance(mi, dict) else []
     return found[0] if len(found) == 1 and isinstance(found[0], torch.Tensor) else None
 
 
-def _walk(obj, path=()):
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise LayoutError(f"batch key {k!r} at {'/'.join(path) or '<root>'} is not a string")
-            yield from _walk(v, path + (k,))
-    else:
-        yield path, obj
+def _leaves(d: dict, path: Path, out: list) -> list:
+    """`out` plus (path, value) of every non-dict value of the nested dict `d`, depth first: the
+    key paths in dict order; a key that is not a string raises LayoutError."""
+    for k, v in d.items():
+        if not isinstance(k, str):
+            raise LayoutError(f"batch key {k!r} at {'/'.join(path) or '<root>'} is not a string")
+        if isinstance(v, dict):
+            _leaves(v, path + (k,), out)
+        else:
+            out.append((path + (k,), v))
+    return out
 
 
 def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
@@ -197,8 +200,7 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
     Raises LayoutError for anything that cannot travel: missing input_ids, image counts that do
     not match the vision tensors, or a per-sample field whose batch dim is not `local_batch`.
     """
-    dims = dict(DEFAULT_BATCH_DIMS)
-    dims.update(batch_dims or {})
+    dims = {**DEFAULT_BATCH_DIMS, **batch_dims} if batch_dims else DEFAULT_BATCH_DIMS
     if not isinstance(batch, dict):
         raise LayoutError(f"micro-batch is a {type(batch).__name__}: expected a dict of fields")
     ids = batch.get("input_ids")
@@ -207,25 +209,23 @@ def describe(batch: dict, local_batch: int, *, vision_start_token_id: int,
     if ids.shape[0] != local_batch:
         raise LayoutError(f"field 'input_ids' has {ids.shape[0]} samples, expected B/dp={local_batch}")
     dense, ragged, lists, shard = [], [], [], Shard(n=local_batch)
-    leaves = list(_walk(batch))
+    leaves = _leaves(batch, (), [])
     vision = [(p, v) for p, v in leaves if len(p) >= 3 and p[0] == "modality_inputs"]
     for path, v in leaves:
         if len(path) >= 3 and path[0] == "modality_inputs":
             continue
         name = path[-1]
-        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+        if isinstance(v, torch.Tensor) and (shape := tuple(v.shape)):
             want = dims.get(name, 0)
             if want is None:
-                want = 1 if v.dim() == 3 else 0
-            if want >= v.dim() or v.shape[want] != local_batch:
+                want = 1 if len(shape) == 3 else 0
+            if want >= len(shape) or shape[want] != local_batch:
                 if name in dims and dims[name] is not None or name in ("input_ids", "labels", "loss_mask",
                                                                       "attention_mask", "position_ids"):
-                    raise LayoutError(f"field {'/'.join(path)!r} has shape {tuple(v.shape)}: expected "
+                    raise LayoutError(f"field {'/'.join(path)!r} has shape {shape}: expected "
                                       f"{local_batch} samples along dim {want}")
                 continue  # global metadata
-            shape = list(v.shape)
-            shape.pop(want)
-            dense.append(_dense_field(path, want, v.dtype, tuple(shape)))
+            dense.append(_dense_field(path, want, v.dtype, shape[:want] + shape[want + 1:]))
             shard.dense[path] = v
         elif isinstance(v, list) and len(v) == local_batch:
             lists.append(path)
