@@ -8,7 +8,7 @@ layout walk), plan (`plan_window`), moves (`build_moves`), outputs (`empty_shard
 slot), and the executor's run on the assemble table, split into its table checks, `launch_table`,
 and the launch itself where the executor is Triton (staging, table copy, kernel). Next to each time,
 what one call of the part runs, counted (`calls`: the same on every host, unlike times): Python
-function calls and C calls into numpy, torch and others (JSON key "calls"). `--profile`
+lines and function calls, and C calls into numpy, torch and others (JSON key "calls"). `--profile`
 also prints the top of a cProfile of whole windows; `--no-copies` replaces the executor by one that
 copies nothing, so on a CPU the window's own host work is timed without the torch executor's copies.
 """
@@ -48,22 +48,31 @@ def _library(fn) -> str:
 
 
 def calls(fn) -> dict:
-    """What one call of fn() executes, counted (deterministic, unlike its time): Python function
-    calls, and C calls into numpy, into torch, and others (builtins, methods of lists and dicts)."""
+    """What one call of fn() executes below fn, counted (deterministic, unlike its time): Python lines
+    and function calls (library code included), and C calls into numpy, into torch, and others
+    (builtins, methods of lists and dicts)."""
     fn()
-    out = {"python": 0, "numpy": 0, "torch": 0, "other": 0}
+    out = {"lines": 0, "python": 0, "numpy": 0, "torch": 0, "other": 0}
 
-    def count(frame, event, arg):
+    def line(frame, event, arg):
+        if event == "line":
+            out["lines"] += 1
+        return line
+
+    def call(frame, event, arg):
         if event == "call":
             out["python"] += 1
         elif event == "c_call":
             out[_library(arg)] += 1
 
-    sys.setprofile(count)
+    here = sys._getframe()
+    sys.settrace(lambda frame, event, arg: None if frame.f_back is here else line)  # fn's own lines not counted
+    sys.setprofile(call)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        sys.settrace(None)
     out["python"] -= 1  # fn itself
     out["other"] -= 1  # sys.setprofile(None)
     return out
@@ -154,11 +163,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     res = parts(args, dev)
-    print(f"{'part':14s} {'host us':>9s} {'python':>7s} {'numpy':>6s} {'torch':>6s} {'other':>6s}")
+    print(f"{'part':14s} {'host us':>9s} {'lines':>6s} {'python':>7s} {'numpy':>6s} {'torch':>6s} {'other':>6s}")
     for k, v in res.items():
         if isinstance(v, float):
             c = res["calls"][k]
-            print(f"{k:14s} {v:9.1f} {c['python']:7d} {c['numpy']:6d} {c['torch']:6d} {c['other']:6d}")
+            print(f"{k:14s} {v:9.1f} {c['lines']:6d} {c['python']:7d} {c['numpy']:6d} {c['torch']:6d} {c['other']:6d}")
         elif k != "calls":
             print(f"{k:14s} {v:>9}")
     if args.profile:

@@ -98,8 +98,8 @@ def test_single_gpu_benchmarks_write_their_keys(tmp_path, script, args, keys):
 
 
 def test_calls_counts_what_a_function_runs():
-    """bench/host_parts.calls: Python calls, and C calls by library, of one call (the function itself
-    and the profiler's own switch-off not included)."""
+    """bench/host_parts.calls: Python lines and calls, and C calls by library, below one call (the
+    function itself and the profiler's own switch-off not included)."""
     sys.path.insert(0, str(ROOT))
     import numpy as np
     import torch
@@ -107,11 +107,12 @@ def test_calls_counts_what_a_function_runs():
     from bench.host_parts import calls
 
     def inner(a):
-        return np.add.reduce(a) + len(a)  # one numpy C call, one builtin
+        b = np.add.reduce(a)  # one numpy C call
+        return b + len(a)  # one builtin
 
     def work():
         a = np.arange(4)  # numpy
         torch.zeros(2)  # torch
         return inner(a) + inner(a)  # two Python calls
 
-    assert calls(work) == {"python": 2, "numpy": 3, "torch": 1, "other": 2}
+    assert calls(work) == {"lines": 4, "python": 2, "numpy": 3, "torch": 1, "other": 2}
