@@ -165,9 +165,11 @@ def main(argv=None) -> int:
     res = parts(args, dev)
     print(f"{'part':14s} {'host us':>9s} {'lines':>6s} {'python':>7s} {'numpy':>6s} {'torch':>6s} {'other':>6s}")
     for k, v in res.items():
-        if isinstance(v, float):
-            c = res["calls"][k]
+        c = res["calls"].get(k)
+        if c is not None:
             print(f"{k:14s} {v:9.1f} {c['lines']:6d} {c['python']:7d} {c['numpy']:6d} {c['torch']:6d} {c['other']:6d}")
+        elif isinstance(v, float):
+            print(f"{k:14s} {v:9.1f}")
         elif k != "calls":
             print(f"{k:14s} {v:>9}")
     if args.profile:
