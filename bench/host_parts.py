@@ -8,7 +8,9 @@ layout walk), plan (`plan_window`), moves (`build_moves`), outputs (`empty_shard
 slot), and the executor's run on the assemble table, split into its table checks, `launch_table`,
 and the launch itself where the executor is Triton (staging, table copy, kernel). Next to each time,
 what one call of the part runs, counted (`calls`: the same on every host, unlike times): Python
-lines and function calls, and C calls into numpy, torch and others (JSON key "calls"). `--profile`
+lines and function calls, and C calls into numpy, torch and others (JSON key "calls"). Then whole
+windows of W = 1, 2, 4, 8 micro-batches (`--window-sizes`): host time per window and per micro-batch,
+and lines per window (JSON key "by_window_size"). `--profile`
 also prints the top of a cProfile of whole windows; `--no-copies` replaces the executor by one that
 copies nothing, so on a CPU the window's own host work is timed without the torch executor's copies.
 """
@@ -153,11 +155,35 @@ def parts(args, dev) -> dict:
     return res
 
 
+def by_window_size(args, dev, sizes) -> dict:
+    """Host time (µs, per window and per micro-batch) and executed lines of windows of W permuted
+    micro-batches, for each W in `sizes`: what the window's fixed work costs once it is shared."""
+    batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
+                                                               args.mix)]
+    out = {}
+    for w in sizes:
+        ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
+                             device=dev, window_size=w)
+        if args.no_copies:
+            ex._executors[dev] = _NoCopies()
+        k = iter(range(10**9))
+
+        def window():
+            i = next(k)
+            return ex.exchange([batches[(i * w + j) % len(batches)] for j in range(w)])
+
+        us = host_us(window, args.reps)
+        out[w] = {"us_per_window": us, "us_per_micro_batch": us / w, "lines_per_window": calls(window)["lines"]}
+    torch.cuda.synchronize() if dev.type == "cuda" else None
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     window_options(p, reps=200)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-copies", action="store_true", help="an executor that copies nothing (host work only)")
+    p.add_argument("--window-sizes", default="1,2,4,8", help="W of the windows timed whole (by_window_size)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "host_parts.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -170,8 +196,12 @@ def main(argv=None) -> int:
             print(f"{k:14s} {v:9.1f} {c['lines']:6d} {c['python']:7d} {c['numpy']:6d} {c['torch']:6d} {c['other']:6d}")
         elif isinstance(v, float):
             print(f"{k:14s} {v:9.1f}")
-        elif k != "calls":
+        elif k not in ("calls", "by_window_size"):
             print(f"{k:14s} {v:>9}")
+    res["by_window_size"] = by_window_size(args, dev, [int(w) for w in args.window_sizes.split(",")])
+    print(f"\n{'W':>3s} {'us/window':>10s} {'us/micro-batch':>15s} {'lines/window':>13s}")
+    for w, r in res["by_window_size"].items():
+        print(f"{w:3d} {r['us_per_window']:10.1f} {r['us_per_micro_batch']:15.1f} {r['lines_per_window']:13d}")
     if args.profile:
         profile(args, dev)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -95,6 +95,11 @@ def test_single_gpu_benchmarks_write_their_keys(tmp_path, script, args, keys):
         window, parts = result["calls"]["window"], result["calls"]
         for lib in ("python", "numpy", "torch"):  # a window runs every part (no copies: no executor calls)
             assert window[lib] >= sum(parts[k][lib] for k in ("prepare", "plan", "moves", "outputs")) > 0, lib
+        sizes = result["by_window_size"]  # windows of 1, 2, 4, 8 micro-batches: more lines per larger window
+        assert list(sizes) == ["1", "2", "4", "8"]
+        lines = [sizes[w]["lines_per_window"] for w in sizes]
+        assert lines == sorted(set(lines)) and lines[0] > 0
+        assert all(math.isclose(r["us_per_micro_batch"] * int(w), r["us_per_window"]) for w, r in sizes.items())
 
 
 def test_calls_counts_what_a_function_runs():
