@@ -41,11 +41,10 @@ from reorder.plan.window import plan_window  # noqa: E402
 def _library(fn) -> str:
     """"numpy", "torch" or "other": whose C function `fn` is (a c_call of sys.setprofile)."""
     owner = getattr(fn, "__self__", None)
-    name = (getattr(fn, "__module__", None) or type(owner).__module__ if owner is not None else
-            getattr(fn, "__module__", None)) or ""
-    if isinstance(owner, np.ufunc) or isinstance(fn, np.ufunc):
+    if isinstance(fn, np.ufunc) or isinstance(owner, np.ufunc):
         return "numpy"
-    root = name.split(".")[0]
+    module = getattr(fn, "__module__", None) or (type(owner).__module__ if owner is not None else "")
+    root = module.split(".")[0]
     return root if root in ("numpy", "torch") else "other"
 
 
