@@ -1,6 +1,8 @@
 """Both executors byte-exact on a GPU: random segment tables (device and pinned host sources, every
 alignment) through the Triton executor and the torch executor against a host oracle, then whole
-dp-1 windows through the exchanger with each executor against the spec's per-sample bytes.
+dp-1 windows through the exchanger with each executor against the spec's per-sample bytes; then
+each Triton kernel (copy, counting) must have compiled once: a table offset that is a multiple of
+16 or not, or another micro-batch, must not compile a new variant mid-run.
 
   python functional_tests/executors_cuda.py [--tables 200] [--windows 16]
 Prints one line per check and a summary dict; exits 1 on any mismatch."""
@@ -16,8 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reorder import CostModel, Grid, WindowExchanger  # noqa: E402
+from reorder.batch.triton_count import count_rows  # noqa: E402
 from reorder.cli import synthetic as syn  # noqa: E402
 from reorder.exchange.executors import TorchExecutor, TritonExecutor  # noqa: E402
+from reorder.exchange.triton_copy import copy_segments  # noqa: E402
 from reorder.plan.segments import Segments  # noqa: E402
 from spec.samples import per_sample_bytes  # noqa: E402
 
@@ -45,11 +49,15 @@ def oracle(srcs, dst_sizes, table):
     return [bytes(b) for b in out]
 
 
-def check_tables(args, dev) -> int:
+def check_tables(args, dev, offsets: set) -> int:
+    """Mismatches over random tables; `offsets` collects whether each table's offset of its segment
+    rows in the launch table (twice its block count) was a multiple of 16."""
     rng, bad = np.random.default_rng(0), 0
     executors = (TritonExecutor(), TorchExecutor())
     for k in range(args.tables):
         srcs, dst_sizes, table = random_table(rng, int(rng.integers(1, 5)), int(rng.integers(1, 4)))
+        live = table.nbytes[table.nbytes > 0]
+        offsets.add(int(2 * ((live + executors[0].block_bytes - 1) // executors[0].block_bytes).sum()) % 16 == 0)
         want = oracle(srcs, dst_sizes, table)
         pinned = k % 2 == 1
         for ex in executors:
@@ -91,14 +99,33 @@ def check_windows(args, dev) -> int:
     return bad
 
 
+def compiled_variants(kernel) -> int:
+    """Variants of a Triton kernel compiled in this process, over all devices (Triton 3.x keeps, per
+    device, a tuple whose first entry is the dict of compiled variants)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def check_compiles(offsets: set) -> int:
+    """1 per kernel compiled more than once; 1 more when the tables did not cover table offsets both
+    multiples of 16 and not (the case that compiled twice)."""
+    copy, count = compiled_variants(copy_segments), compiled_variants(count_rows)
+    print(f"compiled variants: copy kernel {copy} (table offsets multiples of 16: {sorted(offsets)}), "
+          f"counting kernel {count}", flush=True)
+    return int(copy != 1) + int(count != 1) + int(len(offsets) != 2)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tables", type=int, default=200)
     p.add_argument("--windows", type=int, default=16)
     args = p.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
-    bad = check_tables(args, dev) + check_windows(args, dev)
-    print({"ok": bad == 0, "tables": args.tables, "windows": args.windows})
+    offsets = set()
+    bad = check_tables(args, dev, offsets) + check_windows(args, dev)
+    recompiled = check_compiles(offsets)
+    print({"ok": bad + recompiled == 0, "tables": args.tables, "windows": args.windows,
+           "compiled_once": recompiled == 0})
+    bad += recompiled
     return 1 if bad else 0
 
 

@@ -41,7 +41,9 @@ def _copy_run(src, dst, length, WTYPE: tl.constexpr, WORD: tl.constexpr, ALIGN: 
     tl.store(bd + off, tl.load(bs + off, mask=m), mask=m)
 
 
-@triton.jit
+# rows_at changes with every table: specialized (Triton's default for integers: multiple of 16 or
+# not, equal to 1), it would compile a new variant mid-run the first time each case appears
+@triton.jit(do_not_specialize=["rows_at"])
 def copy_segments(blocks, rows_at, BLOCK: tl.constexpr):
     """One program per block row: copy its bytes with the widest word that the relative alignment of
     source and destination allows (blocks start at multiples of BLOCK inside a segment, so a block's

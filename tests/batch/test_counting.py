@@ -97,6 +97,18 @@ def test_counting_kernel_in_interpreter():
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_counting_kernel_specializes_only_what_stays_fixed():
+    """The integers that change with the micro-batch or the model (sequence length, grid_thw's
+    length, the token ids) and grid_thw's address are not specialized, so no micro-batch compiles a
+    new variant mid-run; the dtypes, the flags and the block size are."""
+    from reorder.batch.triton_count import count_rows
+
+    assert {p.name for p in count_rows.params if p.do_not_specialize} == {"thw", "S", "n_thw", "image_id",
+                                                                          "start_id"}
+    assert {p.name for p in count_rows.params if p.is_constexpr} == {"HAS_MASK", "HAS_THW", "BLOCK"}
+
+
 def test_kernel_is_not_used_off_cuda_or_on_strided_fields(monkeypatch):
     """Off CUDA, or for a field that is not contiguous, the torch ops count (the kernel is not called)."""
     calls = []

@@ -297,6 +297,16 @@ def check_triton_interpreted():
             lambda problem, block: run_against_oracle(ex.TritonExecutor(block_bytes=block), problem)))()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_copy_kernel_does_not_specialize_the_table_offset():
+    """rows_at (twice the table's block count) changes with every table: left to Triton's default
+    integer specialization, a run would compile a second variant of the kernel the first time it is
+    a multiple of 16 (or not): a stall of about half a second mid-training."""
+    from reorder.exchange.triton_copy import copy_segments
+
+    assert {p.name for p in copy_segments.params if p.do_not_specialize} == {"rows_at"}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton not installed (pip install triton==3.9.0 to run the kernel in its interpreter)")
 def test_triton_kernel_in_interpreter():
