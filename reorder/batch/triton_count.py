@@ -9,7 +9,8 @@ import triton.language as tl
 
 # The integers change with the micro-batch (n_thw) or the model (S, the token ids), and grid_thw may be
 # any view: specialized (Triton's default: multiple of 16 or not, equal to 1; 16-byte aligned or
-# not), each new case would compile a variant mid-run. The dtypes and flags stay specialized.
+# not), each new case would compile a variant mid-run. The dtypes, the flags and the alignment of
+# ids, mask and out stay specialized (aligned loads; a caller's misaligned view compiles once).
 @triton.jit(do_not_specialize=["thw", "S", "n_thw", "image_id", "start_id"])
 def count_rows(ids, mask, thw, out, S, n_thw, image_id, start_id, HAS_MASK: tl.constexpr,
                HAS_THW: tl.constexpr, BLOCK: tl.constexpr):
