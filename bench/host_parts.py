@@ -100,11 +100,18 @@ class _NoCopies:
         pass
 
 
-def parts(args, dev) -> dict:
-    batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
-                                                               args.mix)]
+def _exchanger(args, dev, window_size: int = 1) -> WindowExchanger:
+    """The dp-1 exchanger every timing here uses (`--no-copies`: with an executor that copies nothing)."""
+    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
+                         device=dev, window_size=window_size)
+    if args.no_copies:
+        ex._executors[dev] = _NoCopies()
+    return ex
+
+
+def parts(args, dev, batches) -> dict:
     b = batches[0]
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
+    ex = _exchanger(args, dev)
     ex.exchange([b])
     window = ex._prepare([b])
     counts = window.counts
@@ -115,8 +122,6 @@ def parts(args, dev) -> dict:
     sources = ex._sources(layout, window)
     out_counts = SampleCounts(moves.out_counts.table[0])
     made = empty_shard(layout, out_counts, dev)
-    if args.no_copies:
-        ex._executors[dev] = _NoCopies()
     executor = ex._executor(dev)
     addresses = check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1])
     k = iter(range(10**9))
@@ -154,17 +159,12 @@ def parts(args, dev) -> dict:
     return res
 
 
-def by_window_size(args, dev, sizes) -> dict:
-    """Host time (µs, per window and per micro-batch) and executed lines of windows of W permuted
-    micro-batches, for each W in `sizes`: what the window's fixed work costs once it is shared."""
-    batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
-                                                               args.mix)]
+def by_window_size(args, dev, batches, sizes) -> dict:
+    """Host time (µs, per window and per micro-batch) and executed lines of windows of W of the
+    permuted `batches`, for each W in `sizes`: what the window's fixed work costs once it is shared."""
     out = {}
     for w in sizes:
-        ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
-                             device=dev, window_size=w)
-        if args.no_copies:
-            ex._executors[dev] = _NoCopies()
+        ex = _exchanger(args, dev, w)
         k = iter(range(10**9))
 
         def window():
@@ -187,7 +187,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device(args.device)
-    res = parts(args, dev)
+    batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
+                                                               args.mix)]
+    res = parts(args, dev, batches)
     print(f"{'part':14s} {'host us':>9s} {'lines':>6s} {'python':>7s} {'numpy':>6s} {'torch':>6s} {'other':>6s}")
     for k, v in res.items():
         c = res["calls"].get(k)
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
             print(f"{k:14s} {v:9.1f}")
         elif k not in ("calls", "by_window_size"):
             print(f"{k:14s} {v:>9}")
-    res["by_window_size"] = by_window_size(args, dev, [int(w) for w in args.window_sizes.split(",")])
+    res["by_window_size"] = by_window_size(args, dev, batches, [int(w) for w in args.window_sizes.split(",")])
     print(f"\n{'W':>3s} {'us/window':>10s} {'us/micro-batch':>15s} {'lines/window':>13s}")
     for w, r in res["by_window_size"].items():
         print(f"{w:3d} {r['us_per_window']:10.1f} {r['us_per_micro_batch']:15.1f} {r['lines_per_window']:13d}")
