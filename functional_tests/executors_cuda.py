@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reorder import CostModel, Grid, WindowExchanger  # noqa: E402
 from reorder.batch.triton_count import count_rows  # noqa: E402
 from reorder.cli import synthetic as syn  # noqa: E402
-from reorder.exchange.executors import TorchExecutor, TritonExecutor  # noqa: E402
+from reorder.exchange.executors import TorchExecutor, TritonExecutor, launch_table  # noqa: E402
 from reorder.exchange.triton_copy import copy_segments  # noqa: E402
 from reorder.plan.segments import Segments  # noqa: E402
 from spec.samples import per_sample_bytes  # noqa: E402
@@ -56,8 +56,9 @@ def check_tables(args, dev, offsets: set) -> int:
     executors = (TritonExecutor(), TorchExecutor())
     for k in range(args.tables):
         srcs, dst_sizes, table = random_table(rng, int(rng.integers(1, 5)), int(rng.integers(1, 4)))
-        live = table.nbytes[table.nbytes > 0]
-        offsets.add(int(2 * ((live + executors[0].block_bytes - 1) // executors[0].block_bytes).sum()) % 16 == 0)
+        blocks = launch_table(table, np.zeros(len(srcs), np.int64), np.zeros(len(dst_sizes), np.int64),
+                              executors[0].block_bytes)[2]
+        offsets.add(2 * blocks % 16 == 0)
         want = oracle(srcs, dst_sizes, table)
         pinned = k % 2 == 1
         for ex in executors:

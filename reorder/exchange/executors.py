@@ -180,7 +180,7 @@ def launch_table(segments: Segments, src_ptr: np.ndarray, dst_ptr: np.ndarray, b
     absolute destination address, nbytes) for the non-empty segments. src_ptr / dst_ptr: the
     buffers' addresses (from `check_bounds`). Program p copies bytes [start, min(start +
     block_bytes, nbytes)) of its segment, so the kernel needs no search. Block rows first: the
-    segment rows then start 16-byte aligned, one compiled variant of the kernel. `alloc(size)`
+    segment rows then start 16-byte aligned, at element 2 * blocks. `alloc(size)`
     gives the int64 array to fill (default np.empty; a pinned staging buffer's numpy view saves a
     copy)."""
     s = segments.take(segments.nbytes > 0)

@@ -5,8 +5,8 @@ cannot be defined inside a function); only `TritonExecutor.__init__` imports it.
 Input (built by `executors.launch_table`), one int64 array: rows [programs, 2] of (segment row,
 byte start), then from element `rows_at` on rows [n, 3] of (absolute source address, absolute
 destination address, nbytes): program p copies bytes [start, min(start + BLOCK, nbytes)) of its
-segment. Addresses are raw
-int64s cast to pointers, so sources may be pinned host memory as well as device memory.
+segment. Addresses are raw int64s cast to pointers, so sources may be pinned host memory as well as
+device memory.
 """
 
 import triton
