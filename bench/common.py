@@ -43,6 +43,22 @@ def times_ms(fn, reps: int, sync=_nothing, warmup: int = 0) -> list:
     return out
 
 
+def code_commit() -> str:
+    """The commit of the code measured, for a results file: $REORDER_COMMIT when set (a copy of the
+    tree on another machine may carry a stale .git), else `git rev-parse --short HEAD` ("" without
+    git)."""
+    given = os.environ.get("REORDER_COMMIT")
+    if given:
+        return given
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
+
+
 def median_ms(fn, reps: int, sync=_nothing, warmup: int = 0) -> float:
     """The median of `times_ms`."""
     return float(np.median(times_ms(fn, reps, sync, warmup)))

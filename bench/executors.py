@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import code_commit  # noqa: E402
 from reorder.exchange.executors import Segments, TorchExecutor  # noqa: E402
 
 DESTINATIONS = 4
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, triton=_triton_version(), mib=args.mib, reps=args.reps,
                 block_bytes=args.block_bytes, date=datetime.datetime.now().isoformat(timespec="seconds"),
-                commit=os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip(), scenarios=rows)
+                commit=code_commit(), scenarios=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(info, indent=1))
     ok = all(r["exact"] for row in rows for r in row["results"].values())

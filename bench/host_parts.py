@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import code_commit  # noqa: E402
 from bench.single_gpu import COST, permuted_batches, profile, window_options  # noqa: E402
 from reorder import Grid, WindowExchanger  # noqa: E402
 from reorder.batch.blocks import byte_fields, empty_shard, unit_bytes  # noqa: E402
@@ -197,8 +198,9 @@ def main(argv=None) -> int:
             print(f"{k:14s} {v:9.1f} {c['lines']:6d} {c['python']:7d} {c['numpy']:6d} {c['torch']:6d} {c['other']:6d}")
         elif isinstance(v, float):
             print(f"{k:14s} {v:9.1f}")
-        elif k not in ("calls", "by_window_size"):
+        elif k not in ("calls", "by_window_size", "commit"):
             print(f"{k:14s} {v:>9}")
+    res["commit"] = code_commit()
     res["by_window_size"] = by_window_size(args, dev, batches, [int(w) for w in args.window_sizes.split(",")])
     print(f"\n{'W':>3s} {'us/window':>10s} {'us/micro-batch':>15s} {'lines/window':>13s}")
     for w, r in res["by_window_size"].items():

@@ -14,7 +14,9 @@ Keys (JSON, printed as a table; times are medians over --reps, side by side in o
   list, pack and reassembly launches), not synchronized;
 - ops_per_window: torch ops the call dispatches (counted with a TorchDispatchMode);
 - plan_ms_<B>x<G> / moves_ms_<B>x<G>: `plan_window` (default balancer) and one rank's `build_moves`
-  for B samples over G = dp ranks, on the host;
+  for B samples over G = dp ranks, on the host; plan_ms_lpt_<B>x<G>: the same plan by balancer
+  "lpt", timed alternately with the default one; plan_quality: per balancer and size, the planned
+  max / mean rank load and the fraction of samples that change rank (what the planning time buys);
 - dp1_stages_ms: the device-resident window's stages, each synchronized (prepare: count and
   describe; gather; plan; pack: move list, sources and the pack launch; all_to_all; assemble);
 - executor: which executor carried the copies.
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import Count, median_ms, synchronizer  # noqa: E402
+from bench.common import Count, code_commit, median_ms, synchronizer, times_ms  # noqa: E402
 from reorder import CostModel, Grid, WindowExchanger  # noqa: E402
 from reorder.cli import synthetic as syn  # noqa: E402
 from reorder.plan.counts import SampleCounts  # noqa: E402
@@ -108,19 +110,28 @@ def profile(args, dev) -> None:
 
 
 def planning(sizes, reps) -> dict:
-    rng, out = np.random.default_rng(0), {}
+    rng, out = np.random.default_rng(0), {"plan_quality": {}}
     fields = (ByteField("dense", 1, 16384), ByteField("dense", 3, 16384), ByteField("row", 1, 2352),
               ByteField("image", 1, 24))
     for batch, groups in sizes:
         ph = rng.integers(250, 4000, size=(1, batch)) * (rng.random((1, batch)) > 0.3)
         counts = SampleCounts.of(placeholders=ph, real_tokens=rng.integers(100, 4096, size=(1, batch)),
                                  images=(ph > 0).astype(np.int64), rows=ph * 4)
-        grid = Grid(groups=groups, dp=groups, rank=groups // 2)
-        plan = plan_window(counts, COST, grid, PlanSettings())
-        out[f"plan_ms_{batch}x{groups}"] = median_ms(lambda: plan_window(counts, COST, grid, PlanSettings()), reps,
-                                                     warmup=1)
-        out[f"moves_ms_{batch}x{groups}"] = median_ms(lambda: build_moves(fields, counts, plan, grid.rank), reps,
-                                                      warmup=1)
+        grid, size = Grid(groups=groups, dp=groups, rank=groups // 2), f"{batch}x{groups}"
+        settings = {"balanced": PlanSettings(), "lpt": PlanSettings(balancer="lpt")}
+        times = {name: [] for name in settings}
+        for _ in range(reps):  # alternately, so both see the same machine state
+            for name, s in settings.items():
+                times[name] += times_ms(lambda: plan_window(counts, COST, grid, s), 1, warmup=1 if not times[name] else 0)
+        out[f"plan_ms_{size}"] = float(np.median(times["balanced"]))
+        out[f"plan_ms_lpt_{size}"] = float(np.median(times["lpt"]))
+        for name, s in settings.items():
+            plan = plan_window(counts, COST, grid, s)
+            out["plan_quality"].setdefault(name, {})[size] = dict(
+                max_over_mean=float(plan.loads_after.max() / plan.loads_after.mean()),
+                moved=float(plan.moved.mean()))
+        plan = plan_window(counts, COST, grid, settings["balanced"])
+        out[f"moves_ms_{size}"] = median_ms(lambda: build_moves(fields, counts, plan, grid.rank), reps, warmup=1)
     return out
 
 
@@ -144,15 +155,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
-               micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix)
+               micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
+               commit=code_commit())
     res.update(dp1(args, dev))
     if args.profile:
         profile(args, dev)
     res.update(planning([tuple(int(x) for x in s.split("x")) for s in args.plan_sizes.split(",")], args.reps))
     for k, v in res.items():
-        if k not in ("ops_by_kind", "dp1_stages_ms"):
+        if k not in ("ops_by_kind", "dp1_stages_ms", "plan_quality"):
             print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
     print("dp1_stages_ms", {k: round(v, 3) for k, v in res["dp1_stages_ms"].items()})
+    for name, q in res["plan_quality"].items():
+        print(f"plan_quality {name:9s}", {k: {f: round(v, 4) for f, v in r.items()} for k, r in q.items()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0

@@ -74,7 +74,8 @@ def test_launch_bound_bench_times_every_mode(tmp_path):
 
 @pytest.mark.parametrize("script,args,keys", [
     ("single_gpu.py", ["--plan-sizes", "64x8"],
-     ["dp1_exchange_ms", "dp1_perm_ms_mb4", "host_ms_per_window", "plan_ms_64x8", "moves_ms_64x8"]),
+     ["dp1_exchange_ms", "dp1_perm_ms_mb4", "host_ms_per_window", "plan_ms_64x8", "plan_ms_lpt_64x8",
+      "moves_ms_64x8"]),
     ("host_parts.py", ["--no-copies"], ["window", "count", "describe", "plan", "moves", "outputs", "executor_run"]),
 ], ids=["single_gpu", "host_parts"])
 def test_single_gpu_benchmarks_write_their_keys(tmp_path, script, args, keys):
@@ -90,6 +91,11 @@ def test_single_gpu_benchmarks_write_their_keys(tmp_path, script, args, keys):
         assert isinstance(result[k], float) and math.isfinite(result[k]) and result[k] > 0, (k, result.get(k))
     if script == "single_gpu.py":
         assert result["executor"] == "torch" and result["ops_per_window"] > 0
+        quality = result["plan_quality"]  # what each balancer's planning time buys, at every size
+        assert sorted(quality) == ["balanced", "lpt"] and all(list(q) == ["64x8"] for q in quality.values())
+        for q in (quality["balanced"]["64x8"], quality["lpt"]["64x8"]):
+            assert q["max_over_mean"] >= 1 and 0 <= q["moved"] <= 1
+        assert quality["balanced"]["64x8"]["max_over_mean"] <= quality["lpt"]["64x8"]["max_over_mean"]
     else:
         assert result["executor"] == "none" and result["segments"] > 0
         window, parts = result["calls"]["window"], result["calls"]
@@ -121,3 +127,16 @@ def test_calls_counts_what_a_function_runs():
         return inner(a) + inner(a)  # two Python calls
 
     assert calls(work) == {"lines": 4, "python": 2, "numpy": 3, "torch": 1, "other": 2}
+
+
+def test_results_name_the_commit_measured(monkeypatch):
+    """A results file records $REORDER_COMMIT when given (a copy of the tree elsewhere may carry a
+    stale .git), else the checkout's HEAD."""
+    sys.path.insert(0, str(ROOT))
+    from bench.common import code_commit
+
+    monkeypatch.delenv("REORDER_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert code_commit() == head.strip()
+    monkeypatch.setenv("REORDER_COMMIT", "0123abc")
+    assert code_commit() == "0123abc"
