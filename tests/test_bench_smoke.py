@@ -62,7 +62,7 @@ def test_exchange_host_bench_replays_a_real_exchange(tmp_path, gated):
 def test_launch_bound_bench_times_every_mode(tmp_path):
     """bench/launch_bound.py: every mode streams all micro-batches and gets a finite time per step."""
     out = tmp_path / "lb.json"
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "launch_bound.py"), "--steps", "12", "--rounds", "1",
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "launch_bound.py"), "--steps", "12", "--rounds", "2",
                           "--ops", "20", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -70,6 +70,25 @@ def test_launch_bound_bench_times_every_mode(tmp_path):
     assert list(modes) == ["off", "sync", "sync+gate", "sync+gate+backoff", "overlap", "overlap+gate",
                            "overlap+gate+backoff"]
     assert all(math.isfinite(m["ms_per_step"]) and m["ms_per_step"] > 0 for m in modes.values())
+    for m in modes.values():  # two rounds pair every mode with off twice: an interval around the mean
+        lo, hi = m["paired_ci95_ms"]
+        assert lo <= m["paired_mean_ms"] <= hi
+    best = json.loads(out.read_text())["best"]
+    assert best["mode"] == min(list(modes)[1:], key=lambda k: modes[k]["paired_mean_ms"])
+    assert best["slower_beyond_noise"] == (best["paired_ci95_ms"][0] > 0)
+
+
+def test_bootstrap_interval_brackets_the_mean_and_narrows_with_more_figures():
+    sys.path.insert(0, str(ROOT))
+    from bench.launch_bound import bootstrap_interval
+
+    rng = __import__("numpy").random.default_rng(1)
+    few, many = rng.normal(1.0, 1.0, 8), rng.normal(1.0, 1.0, 800)
+    (lo_f, hi_f), (lo_m, hi_m) = bootstrap_interval(few, 2000), bootstrap_interval(many, 2000)
+    assert lo_f < few.mean() < hi_f and lo_m < many.mean() < hi_m
+    assert hi_m - lo_m < (hi_f - lo_f) / 3  # a hundred times the figures: about a tenth the width
+    assert bootstrap_interval([3.0, 3.0, 3.0], 100) == [3.0, 3.0]
+    assert all(math.isnan(x) for x in bootstrap_interval([1.0], 100))
 
 
 @pytest.mark.parametrize("script,args,keys", [
