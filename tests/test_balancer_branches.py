@@ -582,6 +582,24 @@ def test_lpt_partition_and_max_are_the_spec_ones():
             assert bal._lpt_max(c, groups, visit) == top
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([(2, 3), (3, 4), (8, 4), (16, 16), (64, 4), (300, 2)]), st.integers(0, 5),
+       st.integers(0, 2**32 - 1), st.floats(0.5, 1.5))
+def test_lpt_max_above_a_plan_is_exact_below_it_and_a_reached_load_above_it(shape, kind, seed, scale):
+    """`_lpt_max(above=v)`: LPT's exact max when that is at most v; else a load above v and at most
+    LPT's max (so a plan at or below v is correctly judged not worse than LPT)."""
+    groups, m = shape
+    c = vlm_costs(np.random.default_rng(seed), groups * m, kind)
+    top = spec_bal.lpt_groups(c.tolist(), groups)[1]
+    visit = np.argsort(-c, kind="stable")
+    above = top * scale
+    got = bal._lpt_max(c, groups, visit, above=above)
+    if top <= above:
+        assert got == top
+    else:
+        assert above < got <= top
+
+
 PHASES = {"coarse": lambda M, C, L, theta: (M, C), "pair_rounds": lambda *a: None, "batched_rounds": lambda *a: None,
           "improve": lambda *a: None}
 

@@ -186,24 +186,27 @@ def _sums_are_exact(c: np.ndarray) -> bool:
     return bool((scaled == np.floor(scaled)).all())
 
 
-def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray):
+def _lpt_run(c: np.ndarray, groups: int, visit: np.ndarray, above: float = math.inf):
     """Equal-count LPT exactly as `lpt` (same visiting order, same float additions): its max group
     load and the group of every sample in visiting order. On many groups by rounds of array
-    operations (`_greedy_rounds`), else through a heap (`_lpt_heap`): the same result."""
+    operations (`_greedy_rounds`), else through a heap (`_lpt_heap`): the same result. `above`: on
+    few groups the heap stops at the first load above it (see `_lpt_max`), the groups then partial."""
     if groups < _ROUNDS_MIN_G:
-        return _lpt_heap(c, groups, visit)
+        return _lpt_heap(c, groups, visit, above)
     load = np.zeros(groups)
     grp = _greedy_rounds(c[visit], load, np.full(groups, len(c) // groups), 0.0)
     return float(load.max()), grp
 
 
-def _lpt_heap(c: np.ndarray, groups: int, visit: np.ndarray):
+def _lpt_heap(c: np.ndarray, groups: int, visit: np.ndarray, above: float = math.inf):
     """`_lpt_run` one sample at a time through a heap (`_greedy` with its room kept in the heap
-    entries: the fastest loop on few groups). When the G largest costs are positive
-    they go to groups 0..G-1 in order (every load is 0 until then, ties by group index), so that
-    first round is set up directly."""
+    entries: the fastest loop on few groups), stopping at the first load above `above`. When the G
+    largest costs are positive they go to groups 0..G-1 in order (every load is 0 until then, ties
+    by group index), so that first round is set up directly."""
     cap = len(c) // groups
     xs = c[visit].tolist()
+    if xs[0] > above:
+        return xs[0], []
     if cap > 1 and xs[groups - 1] > 0:
         heap = [(xs[j], j, 2) for j in range(groups)]     # (load, group, count after the next one)
         heapq.heapify(heap)
@@ -217,12 +220,15 @@ def _lpt_heap(c: np.ndarray, groups: int, visit: np.ndarray):
     for x in xs:
         load, j, k = heap[0]
         push(j)
+        load += x
+        if load > above:
+            return load, assigned      # loads only grow: LPT's max is at least this one
         if k < cap:
-            replace(heap, (load + x, j, k + 1))
+            replace(heap, (load, j, k + 1))
         else:
             pop(heap)
-            if load + x > top:
-                top = load + x
+            if load > top:
+                top = load
     return top, assigned
 
 
@@ -293,9 +299,11 @@ def _greedy_heap(xs, t: int, end: int, load, room, shift: float) -> np.ndarray:
     return np.array(took, dtype=np.int64)
 
 
-def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray) -> float:
-    """Max group load of equal-count LPT, exactly as `lpt` computes it."""
-    return _lpt_run(c, groups, visit)[0]
+def _lpt_max(c: np.ndarray, groups: int, visit: np.ndarray, above: float = math.inf) -> float:
+    """Max group load of equal-count LPT, exactly as `lpt` computes it, when that is at most `above`;
+    else a load above `above` that LPT reaches (a lower bound of its max: enough to know that a plan
+    at or below `above` is not worse, without running LPT to the end)."""
+    return _lpt_run(c, groups, visit, above)[0]
 
 
 def _lpt_members(c: np.ndarray, groups: int) -> np.ndarray:
@@ -778,22 +786,28 @@ def balanced(costs: np.ndarray, groups: int) -> np.ndarray:
     M = np.arange(n, dtype=np.int64).reshape(G, m)
     C = c.reshape(G, m).copy()
     L = _row_sums(C)
-    lpt_max = _lpt_max(c, G, visit)
+    # LPT's max load is only compared with plans at or below the one it is computed against, so
+    # it runs until a load passes that plan's max (LPT's max is then above it: exactly what matters)
     if G == 2 and m <= _TWO_GROUP_EXACT_M:
         # two groups: one re-split tries every partition, so it is the optimum (and, among optimal
         # partitions, keeps the most samples home); no other phase can improve on it
         if L.max() > lb * (1 + _EXACT_MARGIN):
             _resplit(M, C, L, 2, [math.inf])
+        lpt_max = _lpt_max(c, G, visit, above=L.max())
     elif L.max() > lb * (1 + _EXACT_MARGIN):        # else the natural plan is optimal: keep it
-        M, C, L = _search(c, M, C, L, lb, lpt_max)
+        M, C, L, lpt_max = _search(c, M, C, L, lb, visit)
+    else:
+        lpt_max = _lpt_max(c, G, visit, above=L.max())
     if _worse_than_lpt(c, C, L.max(), lpt_max, G):
         M = _relabel(_lpt_members(c, G), m)
     return np.sort(M, axis=1).reshape(-1)
 
 
-def _search(c, M, C, L, lb, lpt_max):
+def _search(c, M, C, L, lb, visit):
     """Steps 1-6 of `balanced` from the natural partition (M, C, L: members, costs, loads), which
-    is above the lower bound `lb`: the best partition found, as new (M, C, L)."""
+    is above the lower bound `lb`: the best partition found, as new (M, C, L), and LPT's max load
+    computed against the first search's (`_lpt_max` above it; the partition returned is not above
+    that search's max)."""
     G, m = M.shape
     n = G * m
     target = lb * (1 + _TOL)
@@ -808,6 +822,7 @@ def _search(c, M, C, L, lb, lpt_max):
         _batched_rounds(M, C, L, target, _BATCH_ROUNDS, _BATCH_WORK)
     _improve(M, C, L, target, iters, K)
     best = L.max()
+    lpt_max = _lpt_max(c, G, visit, above=best)
     if small or best > lpt_max:
         A = _lpt_members(c, G)
         CA = c[A]
@@ -820,7 +835,7 @@ def _search(c, M, C, L, lb, lpt_max):
         if best > opt * (1 + _EXACT_MARGIN):
             M, C, L, best = _adopt(c, X)
     _return_home(M, C, L, best, _HOME_ROUNDS if small else _HOME_ROUNDS_LARGE if n < _HOME_MAX_B else 0)
-    return M, C, L
+    return M, C, L, lpt_max
 
 
 def _adopt(c, X):
