@@ -600,6 +600,31 @@ def test_lpt_max_above_a_plan_is_exact_below_it_and_a_reached_load_above_it(shap
         assert above < got <= top
 
 
+@pytest.mark.parametrize("above, got, placed", [(5.0, 6.0, 3), (6.0, 7.0, 4), (4.5, 5.0, 0), (8.0, 8.0, 6)])
+def test_lpt_stops_at_the_first_load_strictly_above(above, got, placed):
+    """[5, 4, 2, 2, 1, 1] over 2 groups: LPT's loads go 5, 4, then 6, 7, 7, 8. A load equal to
+    `above` does not stop it (the largest cost included); the first one above does, with the
+    samples placed so far."""
+    c = np.array([5.0, 4, 2, 2, 1, 1])
+    visit = np.argsort(-c, kind="stable")
+    top, assigned = bal._lpt_run(c, 2, visit, above)
+    assert (top, len(assigned)) == (got, placed)
+    assert bal._lpt_max(c, 2, visit, above) == got
+
+
+def test_balanced_asks_lpt_only_up_to_a_plans_max(monkeypatch):
+    """Every branch of `balanced` (two groups, the search, a natural plan at the bound) computes
+    LPT's max against a finite plan max, so LPT stops early; the plans stay the spec's."""
+    seen, real = [], bal._lpt_max
+    monkeypatch.setattr(bal, "_lpt_max", lambda c, g, v, above=math.inf: seen.append(above) or real(c, g, v, above))
+    rng = np.random.default_rng(4)
+    cases = [(np.array([9.0, 1, 5, 5]), 2), (vlm_costs(rng, 64, 1), 8), (np.full(12, 3.0), 4)]
+    for c, groups in cases:
+        seen.clear()
+        assert bal.balanced(c, groups).tolist() == spec_bal.balanced(c.tolist(), groups)
+        assert seen and all(math.isfinite(a) for a in seen), (groups, seen)
+
+
 PHASES = {"coarse": lambda M, C, L, theta: (M, C), "pair_rounds": lambda *a: None, "batched_rounds": lambda *a: None,
           "improve": lambda *a: None}
 
