@@ -163,6 +163,32 @@ def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
     assert [o[0]["sample_id"].tolist() for o, _ in res] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+@pytest.mark.parametrize("device, early", [(None, False), ("cpu", False), ("cpu", True)])
+def test_a_window_kept_natural_builds_no_move_list(monkeypatch, device, early):
+    """A fully gated window keeps every slot as read on every rank: it returns them (moved to
+    `device` as reorder off would) without building a move list or gathering its buffers."""
+    from reorder.exchange import exchanger as driver
+
+    def refuse(*a, **k):
+        raise AssertionError("a natural window must not build a move list")
+    monkeypatch.setattr(driver, "build_moves", refuse)
+    monkeypatch.setattr(driver.WindowExchanger, "_sources", refuse)
+    batches = windows_for(12, 8, 2)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(groups=4, dp=2, rank=r), micro_batch_size=8, cost=COST, window_size=2,
+                             collectives=coll, min_saving=1e18, device=device, early_copy=early)
+        mine = [syn.rank_share(g, 2, r) for g in batches]
+        return mine, ex.exchange(mine)
+    for mine, (out, rep) in run_emulated(2, fn):
+        assert rep.gated_slots == 2 and rep.moved_samples == 0 and rep.sent_bytes == 0
+        assert set(rep.stage_ms) == {"prepare", "gather", "plan", "pack", "all_to_all", "assemble"}
+        for given, got in zip(mine, out):
+            assert got is given or device is not None
+            assert got["sample_id"].tolist() == given["sample_id"].tolist()
+            assert torch.equal(got["input_ids"], given["input_ids"])
+
+
 def test_min_saving_gate_keeps_slots_that_save_too_little():
     from reorder.plan import orders as plan
 

@@ -166,6 +166,12 @@ class WindowExchanger:
         mark("plan")
         if plan.shadow:
             return batches, WindowReport.of(plan, sent_bytes=0, plan_ms=plan_ms, t0=t0, marks=marks)
+        if plan.natural:  # nothing to move or permute anywhere: no move list, no buffers
+            dev = self._target(window)
+            out = [self._kept(b, layout, shard, dev) for b, shard in zip(batches, window.shards)]
+            for stage in ("pack", "all_to_all", "assemble"):
+                mark(stage)
+            return out, WindowReport.of(plan, sent_bytes=0, plan_ms=plan_ms, t0=t0, marks=marks)
         fields = byte_fields(layout)
         moves = build_moves(fields, counts, plan, self.grid.rank)
         sources = self._sources(layout, window)
@@ -373,10 +379,8 @@ class WindowExchanger:
         to `device` as reorder off would); the others are allocated field by field and written."""
         dev = self._target(window)
         out = list(batches)
-        if self.device is not None:  # only kept slots: the others are written into new tensors below
-            for s in np.flatnonzero(moves.kept).tolist():
-                out[s] = (rebuild(batches[s], layout, window.shards[s]) if self.early_copy  # copied already
-                          else _fields_to(batches[s], self._paths, dev))
+        for s in np.flatnonzero(moves.kept).tolist():  # the others are written into new tensors below
+            out[s] = self._kept(batches[s], layout, window.shards[s], dev)
         todo = np.flatnonzero(~moves.kept).tolist()
         if todo:
             counts = [SampleCounts(moves.out_counts.table[s]) for s in todo]
@@ -387,6 +391,13 @@ class WindowExchanger:
                     read_lists(shard, bufs[-1], c)
                 out[s] = rebuild(batches[s], layout, shard)
         return out
+
+    def _kept(self, batch, layout, shard, dev):
+        """A micro-batch this rank keeps as it is: as given, or, with `device`, its per-sample
+        fields there as reorder off would move them (with early_copy: the copies made at counting)."""
+        if self.device is None:
+            return batch
+        return rebuild(batch, layout, shard) if self.early_copy else _fields_to(batch, self._paths, dev)
 
     def _skipped(self, batches, error, t0):
         """A window the gate backoff skips: the micro-batches in natural order, per-sample fields (the

@@ -120,6 +120,14 @@ class WindowPlan(LoadFigures):
     def fully_gated(self) -> bool:
         return bool(self.gated.all())
 
+    @property
+    def natural(self) -> bool:
+        """Every sample keeps its slot and position: every rank's micro-batches stay as it read
+        them (a fully gated window, or one already balanced), the same answer on every rank."""
+        ids = np.arange(self.dest_pos.size)
+        b = self.micro_batch_size
+        return bool((self.dest_pos == ids % b).all() and (self.dest_slot == ids // b).all())
+
 
 def spreads(loads: np.ndarray) -> np.ndarray:
     """float64 [W]: max / mean per-rank load of every slot of loads [W, dp] (1.0 where a slot has no load)."""

@@ -111,6 +111,28 @@ def test_cross_slot_with_the_gate_keeps_the_window_natural_when_it_does_not_pay(
     assert not plan.moves_anything and plan.moved_bytes == 0
 
 
+@given(windows(), st.sampled_from(["lpt", "balanced", "identity"]), st.booleans())
+def test_natural_means_every_sample_keeps_its_slot_and_position(window, balancer, cross):
+    """`natural`: every slot's canonical order is its natural one (with cross_slot: the flat ids of
+    the slot itself), so every rank keeps its micro-batches as read."""
+    grid, counts = window
+    plan = plan_window(counts, COST, grid, PlanSettings(balancer=balancer, cross_slot=cross))
+    w, batch = plan.orders.shape
+    natural = [[s * batch + j for j in range(batch)] for s in range(w)] if plan.cross_slot else \
+        [list(range(batch))] * w
+    assert plan.natural == (plan.orders.tolist() == natural)
+    assert plan.natural or balancer != "identity"
+
+
+def test_a_cross_slot_exchange_of_slots_is_not_natural():
+    ph = np.array([[10, 10, 0, 0], [10, 10, 0, 0]])  # rank 0 holds both large samples of either slot
+    counts = SampleCounts.of(placeholders=ph, real_tokens=np.zeros_like(ph))
+    plan = plan_window(counts, COST, Grid(groups=2, dp=2, rank=0), PlanSettings(cross_slot=True))
+    assert not plan.natural and plan.moves_anything
+    gated = plan_window(counts, COST, Grid(groups=2, dp=2, rank=0), PlanSettings(cross_slot=True, min_gain=0.99))
+    assert gated.natural and gated.fully_gated
+
+
 def test_given_costs_replace_the_cost_model():
     given = np.array([[5.0, 1.0, 1.0, 1.0]])
     counts = SampleCounts.of(placeholders=np.array([[0, 0, 0, 90]]), cost_bits=given.view(np.int64))
