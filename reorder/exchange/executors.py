@@ -103,15 +103,18 @@ class TorchExecutor:
     tensor). A segment of at least `gather_below_words` words (its natural width: the widest word
     dividing its offsets, length and buffer addresses) is one `copy_` of narrow uint8 views, which
     is a memcpy; smaller ones are gathered per (source, destination, width) group by one
-    `index_select` + `index_copy_` of that word type. On 2 CPU cores a Python-level copy_ costs
-    about 4 us and a gathered word about 2-5 ns (index build included), so ~512 words is where
-    they break even; on CUDA each copy_ is a launch, so a larger threshold may pay."""
+    `index_select` + `index_copy_` of that word type, when the group holds at least
+    `gather_min_segments` of them (else they are copied one by one too). On 2 CPU cores a
+    Python-level copy_ costs about 5 us, a gathered word about 2-5 ns (index build included) and a
+    group about 45 us whatever its size: ~512 words is where a segment's two ways break even, and a
+    group pays from about 10 segments. On CUDA each copy_ is a launch, so larger thresholds may pay."""
 
     name = "torch"
     reads_pinned_host = False  # sources must live on the destinations' device
 
-    def __init__(self, gather_below_words: int = 512):
+    def __init__(self, gather_below_words: int = 512, gather_min_segments: int = 10):
         self.gather_below_words = int(gather_below_words)
+        self.gather_min_segments = int(gather_min_segments)
 
     def run(self, segments: Segments, sources: list[torch.Tensor],
             destinations: list[torch.Tensor]) -> None:
@@ -122,6 +125,9 @@ class TorchExecutor:
         src_at, dst_at = _placement(sources), _placement(destinations)
         width = word_width(s.src_off, s.dst_off, s.nbytes, src_at[s.src_buf], dst_at[s.dst_buf])
         small = s.nbytes // width < self.gather_below_words
+        key = np.where(small, _group_key(s, width, len(destinations)), -1)
+        _, group, size = np.unique(key, return_inverse=True, return_counts=True)
+        small &= size[group] >= self.gather_min_segments
         src_bytes = [byte_view(t) for t in sources]
         dst_bytes = [byte_view(t) for t in destinations]
         self._copy_big(s.take(~small), src_bytes, dst_bytes)
@@ -139,7 +145,7 @@ class TorchExecutor:
         """One index_select + index_copy_ per (source, destination, width) group."""
         if not len(s):
             return
-        key = (s.src_buf * len(dst_bytes) + s.dst_buf) * 16 + width
+        key = _group_key(s, width, len(dst_bytes))
         order = np.argsort(key, kind="stable")
         key_sorted = key[order]
         bounds = np.flatnonzero(np.concatenate([[True], key_sorted[1:] != key_sorted[:-1], [True]]))
@@ -151,6 +157,11 @@ class TorchExecutor:
             dst = _as_words(dst_bytes[int(g.dst_buf[0])], w)
             vals = src.index_select(0, torch.from_numpy(src_idx).to(src.device))
             dst.index_copy_(0, torch.from_numpy(dst_idx).to(dst.device), vals.to(dst.device))
+
+
+def _group_key(s: Segments, width: np.ndarray, destinations: int) -> np.ndarray:
+    """Per segment, one integer per (source, destination, word width) (widths are below 16)."""
+    return (s.src_buf * destinations + s.dst_buf) * 16 + width
 
 
 def _placement(buffers) -> np.ndarray:

@@ -103,25 +103,52 @@ def run_against_oracle(executor: Executor, problem):
     assert src.as_bytes() == before
 
 
-@pytest.mark.parametrize("gather_below_words", [0, 4, 1 << 30], ids=["all-copy", "mixed", "all-gather"])
+@pytest.mark.parametrize("gather_below_words, gather_min_segments", [(0, 1), (4, 1), (1 << 30, 1), (1 << 30, 3)],
+                         ids=["all-copy", "mixed", "all-gather", "gather-groups-of-3"])
 @given(problem=problems())
-def test_torch_executor_matches_oracle(gather_below_words, problem):
-    run_against_oracle(TorchExecutor(gather_below_words), problem)
+def test_torch_executor_matches_oracle(gather_below_words, gather_min_segments, problem):
+    run_against_oracle(TorchExecutor(gather_below_words, gather_min_segments), problem)
 
 
-def test_torch_executor_default_threshold_mixes_big_and_small():
-    """Defaults, sizes where both the copy_ and the gathered path run, several word widths."""
+@pytest.mark.parametrize("min_segments, gathered", [(1, [3, 1]), (2, [3]), (4, [])])
+def test_torch_executor_gathers_only_groups_of_enough_small_segments(monkeypatch, min_segments, gathered):
+    """Three small segments from source 0 and one from source 1 (one destination, one width): a
+    group is gathered only when it holds at least `gather_min_segments`; the rest are copied one by
+    one. The bytes are the oracle's either way."""
+    calls = []
+    real = TorchExecutor._gather_small
+    monkeypatch.setattr(TorchExecutor, "_gather_small", staticmethod(
+        lambda s, w, sb, db: calls.extend(np.bincount(s.src_buf, minlength=2)[np.unique(s.src_buf)].tolist())
+        or real(s, w, sb, db)))
+    rng = np.random.default_rng(2)
+    src, dst = Buffers([(torch.int64, 64, 0), (torch.int64, 64, 0)], rng), Buffers([(torch.int64, 64, 0)], rng)
+    segs = Segments.of(np.array([0, 0, 0, 1]), np.array([0, 64, 256, 8]), np.zeros(4, np.int64),
+                       np.array([0, 64, 128, 256]), np.full(4, 32))
+    want = oracle(segs, src.as_bytes(), dst.as_bytes())
+    TorchExecutor(gather_below_words=512, gather_min_segments=min_segments).run(segs, src.typed, dst.typed)
+    assert dst.as_bytes() == want
+    assert calls == gathered
+
+
+def test_torch_executor_default_threshold_mixes_big_and_small(monkeypatch):
+    """Defaults, sizes where both the copy_ and the gathered path run (a group of 15 small segments
+    from the unaligned source), several word widths."""
+    gathered = []
+    real = TorchExecutor._gather_small
+    monkeypatch.setattr(TorchExecutor, "_gather_small",
+                        staticmethod(lambda s, w, sb, db: gathered.append(len(s)) or real(s, w, sb, db)))
     rng = np.random.default_rng(7)
     src = Buffers([(torch.bfloat16, 300_000, 0), (torch.uint8, 50_001, 3)], rng)
     dst = Buffers([(torch.float32, 200_000, 0)], rng)
-    sizes = np.array([100_000, 64, 8, 3, 2000, 150_001, 16, 1, 4096])
+    sizes = np.array([100_000, 64, 8, 3, 2000, 150_001, 16, 1, 4096] + [20] * 12)
     dst_off = np.concatenate([[0], np.cumsum(sizes + 5)[:-1]])
-    src_buf = np.array([0, 0, 1, 1, 0, 0, 1, 0, 0])
-    src_off = np.array([16, 1000, 5, 777, 2, 200_000, 40_000, 9, 64])
-    segs = Segments.of(src_buf, src_off, np.zeros(9, np.int64), dst_off, sizes)
+    src_buf = np.array([0, 0, 1, 1, 0, 0, 1, 0, 0] + [1] * 12)
+    src_off = np.array([16, 1000, 5, 777, 2, 200_000, 40_000, 9, 64] + [100 + 50 * k for k in range(12)])
+    segs = Segments.of(src_buf, src_off, np.zeros(len(sizes), np.int64), dst_off, sizes)
     want = oracle(segs, src.as_bytes(), dst.as_bytes())
     TorchExecutor().run(segs, src.typed, dst.typed)
     assert dst.as_bytes() == want
+    assert gathered == [15]
 
 
 def test_word_views_respect_the_storage_offset():
