@@ -59,6 +59,19 @@ def code_commit() -> str:
         return ""
 
 
+def cpu_name() -> str:
+    """The host CPU in a few words, for a results file: '<cores>-core <model>'."""
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {model}"
+
+
 def median_ms(fn, reps: int, sync=_nothing, warmup: int = 0) -> float:
     """The median of `times_ms`."""
     return float(np.median(times_ms(fn, reps, sync, warmup)))

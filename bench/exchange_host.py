@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import Count
+from bench.common import Count, code_commit, cpu_name
 from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.exchange.collectives import run_emulated
@@ -124,7 +124,7 @@ def main():
         pstats.Stats(pr).sort_stats(args.sort).print_stats(30)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(dict(out, device=cpu_name(), commit=code_commit()), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from bench.common import code_commit, cpu_name
 from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
@@ -94,7 +95,7 @@ def main():
           f"{'slower beyond noise' if verdict['slower_beyond_noise'] else 'not slower beyond noise'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device="cpu (development machine)", steps=args.steps, rounds=args.rounds, ops=args.ops,
+            json.dump(dict(device=cpu_name(), commit=code_commit(), steps=args.steps, rounds=args.rounds, ops=args.ops,
                            modes=rows, best=verdict), f, indent=2)
 
 
