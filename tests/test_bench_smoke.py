@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def test_bootstrap_interval_brackets_the_mean_and_narrows_with_more_figures():
     sys.path.insert(0, str(ROOT))
     from bench.launch_bound import bootstrap_interval
 
-    rng = __import__("numpy").random.default_rng(1)
+    rng = np.random.default_rng(1)
     few, many = rng.normal(1.0, 1.0, 8), rng.normal(1.0, 1.0, 800)
     (lo_f, hi_f), (lo_m, hi_m) = bootstrap_interval(few, 2000), bootstrap_interval(many, 2000)
     assert lo_f < few.mean() < hi_f and lo_m < many.mean() < hi_m
