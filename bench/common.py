@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import datetime
 import os
+import platform
+import subprocess
 import time
 
 import numpy as np
@@ -50,8 +52,6 @@ def code_commit() -> str:
     given = os.environ.get("REORDER_COMMIT")
     if given:
         return given
-    import subprocess
-
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
@@ -61,8 +61,6 @@ def code_commit() -> str:
 
 def cpu_name() -> str:
     """The host CPU in a few words, for a results file: '<cores>-core <model>'."""
-    import platform
-
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
