@@ -75,14 +75,37 @@ def median_ms(fn, reps: int, sync=_nothing, warmup: int = 0) -> float:
     return float(np.median(times_ms(fn, reps, sync, warmup)))
 
 
+def rank_device(cuda: bool) -> torch.device:
+    """This process's device under torchrun: the CPU, or GPU LOCAL_RANK mod the GPU count.
+
+    When the node's ranks outnumber its GPUs (LOCAL_WORLD_SIZE > device count) the GPUs are shared:
+    NCCL refuses two ranks on one GPU only when they look like one host (same host hash and bus id),
+    so each local rank gets its own host id (NCCL_HOSTID, read when the first communicator is made:
+    call this before `init_process_group`). NCCL then moves data between the ranks through its socket
+    transport: the runs prove function, never speed. The mode is printed once per rank."""
+    if not cuda:
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    if gpus < 1:
+        raise RuntimeError("a CUDA run was asked for but torch sees no GPU")
+    dev = torch.device("cuda", local % gpus)
+    if ranks > gpus:
+        os.environ["NCCL_HOSTID"] = f"{platform.node()}-shared-gpu-rank{local}"
+        print(f"shared-GPU mode: local rank {local} of {ranks} on {dev} ({gpus} GPU(s)), NCCL host id "
+              f"{os.environ['NCCL_HOSTID']}: proves function, not speed", flush=True)
+    return dev
+
+
 def init_torchrun(cuda: bool | None = None, timeout=datetime.timedelta(minutes=5)):
     """Join the torchrun job (env:// rendezvous): Gloo on the CPU, Gloo and NCCL with `cuda` (None:
-    when a GPU is available), each rank then on the GPU of its LOCAL_RANK. Returns (rank, world
-    size, device)."""
+    when a GPU is available), each rank then on its `rank_device` (shared GPUs when ranks outnumber
+    them). Returns (rank, world size, device)."""
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    dev = rank_device(cuda)
     if cuda:
         torch.cuda.set_device(dev)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)

@@ -17,7 +17,8 @@ per-sample `cost_of` (thirds: only float64 bits carry them). An overlap worker m
 5 s of the source's end.
 
   python functional_tests/bridge_cuda.py                              # one GPU: dp 1
-  torchrun --standalone --nproc-per-node 2 functional_tests/bridge_cuda.py   # 2 GPUs: dp 1, dp 2 (NCCL)
+  torchrun --standalone --nproc-per-node 2 functional_tests/bridge_cuda.py   # dp 1, dp 2 (NCCL); ranks
+                                                                      # beyond the GPUs share them
   python functional_tests/bridge_cuda.py --device cpu --seq-len 256 --features 8 --mix small
 
 Rank 0 prints one RESULT line (ok, cases, micro-batches checked, mismatches, ms per micro-batch);
@@ -57,6 +58,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.common import rank_device  # noqa: E402
 from reorder.batch.layout import tensors  # noqa: E402
 from reorder.cli import synthetic as syn  # noqa: E402
 from reorder.integrations import bridge as br  # noqa: E402
@@ -169,11 +171,7 @@ def setup(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cuda = args.device.startswith("cuda")
-    if cuda and torch.cuda.device_count() < max(world, 1):
-        print(f"RESULT {dict(ok=False, error=f'{world} ranks need {world} GPUs, found {torch.cuda.device_count()}')}")
-        sys.exit(1)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    dev = rank_device(cuda)  # ranks beyond the GPU count share them (one NCCL host id each)
     if cuda:
         torch.cuda.set_device(dev)
     if world == 1:

@@ -618,7 +618,7 @@ def setup(args):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        device = torch.device("cuda", torch.cuda.current_device())  # init_torchrun's rank_device
         parallel_state._set_global_memory_buffer()
         model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
     world = dist.get_world_size()
