@@ -121,7 +121,7 @@ def main():
     me, world, dev = init_torchrun()  # without a GPU: a CPU/Gloo smoke run of the same code
     cuda = dev.type == "cuda"
     sync = synchronizer(dev)
-    groups = build_groups({"vision": [list(range(world))]}, overlap=True)
+    groups = build_groups({"vision": [list(range(world))]}, device=dev, overlap=True)
     torch.manual_seed(0)
     model = Encoder(1176, args.dim, 16, args.layers).to(dev, torch.bfloat16 if cuda else torch.float32)
     params = list(model.parameters())

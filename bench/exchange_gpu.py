@@ -105,7 +105,7 @@ def main():
     cuda = dev.type == "cuda"
     pin = syn.pin if cuda else (lambda b: b)
     S, F = args.seq_len, args.features
-    groups = build_groups({"language": [list(range(world))]}, overlap=True)
+    groups = build_groups({"language": [list(range(world))]}, device=dev, overlap=True)
     cost = CostModel()
     rows = []
     for per in args.per_rank:

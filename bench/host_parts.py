@@ -120,7 +120,7 @@ def parts(args, dev, batches) -> dict:
     plan = plan_window(counts, COST, ex.grid, ex.settings, unit_bytes(layout))
     fields = byte_fields(layout)
     moves = build_moves(fields, counts, plan, 0)
-    sources = ex._sources(layout, window)
+    _, sources = ex._sources(layout, window)
     out_counts = SampleCounts(moves.out_counts.table[0])
     made = empty_shard(layout, out_counts, dev)
     executor = ex._executor(dev)

@@ -65,24 +65,41 @@ def rank_source(args, module, dp, rank, device):
         if args.case == "early_end" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             return
         share = select_fields(syn.rank_share(g, dp, rank), fields)
-        if device is not None and k % 2:  # half the micro-batches in pinned host memory (asynchronous copies)
-            share = syn.pin(share)
+        if device is not None:
+            share = place_inputs(share, args.inputs, k, device)
         if args.case == "bad_input" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             share = dict(share, input_ids=share["input_ids"][:, :-1])  # wrong width on one rank only
         yield share
 
 
-def run(args) -> dict:
-    world, me = dist.get_world_size(), dist.get_rank()
+def place_inputs(share: dict, inputs: str, k: int, device: torch.device) -> dict:
+    """Micro-batch k of a CUDA run where --inputs puts it: on the device, in pinned or pageable host
+    memory, or (mixed) every other one pinned, the others pageable."""
+    if inputs == "device":
+        return syn.to_device(share, device)
+    if inputs == "pinned" or (inputs == "mixed" and k % 2):
+        return syn.pin(share)
+    return share
+
+
+def rank_groups(args):
+    """(device or None, this rank's groups): world-wide, so built once per run of the suite."""
     dv, dl = args.vision_dp, args.language_dp
-    assert world == dv + dl, f"world size {world} != vision dp {dv} + language dp {dl}"
-    device = torch.device(args.device, me % max(1, torch.cuda.device_count())) if args.device == "cuda" else None
-    if device is not None:
-        torch.cuda.set_device(device)
+    assert dist.get_world_size() == dv + dl, f"world size {dist.get_world_size()} != vision dp {dv} + language dp {dl}"
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
     modules = {"vision": [list(range(dv))], "language": [list(range(dv, dv + dl))]}
     if dv == 0:  # single-module world
         del modules["vision"]
-    groups = build_groups(modules, overlap=args.overlap, timeout=datetime.timedelta(seconds=args.timeout))
+    return device, build_groups(modules, device=device or torch.device("cpu"), overlap=args.overlap,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+
+
+def run(args, placed=None) -> dict:
+    """One stream through a ReorderingBuffer on every rank, checked; placed: `rank_groups(args)` when
+    already built (a matrix run reuses one set of groups for every combination)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    dv, dl = args.vision_dp, args.language_dp
+    device, groups = placed or rank_groups(args)
     module, grid = groups.module, groups.grid
     cost = CostModel(language_weight=args.language_weight)
     coll = groups.side if args.overlap else groups.main
@@ -193,6 +210,13 @@ def parse(argv=None):
     p.add_argument("--micro-batches", type=int, default=7)
     p.add_argument("--window", type=int, default=2)
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--inputs", default="mixed", choices=["mixed", "device", "pinned", "pageable"],
+                   help="with --device cuda: where the source's micro-batches live")
+    p.add_argument("--matrix", action="store_true",
+                   help="run every combination of --windows x --overlaps x --input-kinds in one launch (case ok)")
+    p.add_argument("--windows", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--overlaps", type=lambda s: s == "on", nargs="+", default=[True, False])
+    p.add_argument("--input-kinds", nargs="+", default=["device", "pinned", "pageable"])
     p.add_argument("--seq-len", type=int, default=160)
     p.add_argument("--features", type=int, default=4)
     p.add_argument("--language-weight", type=float, default=0.0)
@@ -232,10 +256,32 @@ def main():
     args = parse()
     print(f"gloo_suite rank {os.environ.get('RANK')} pid {os.getpid()}", flush=True)
     init_torchrun(cuda=args.device == "cuda", timeout=datetime.timedelta(seconds=args.timeout))
-    result = run(args)
+    if args.matrix:
+        result = run_matrix(args)
+    else:
+        result = run(args)
     if dist.get_rank() == 0:
         print("RESULT", result, flush=True)
     dist.destroy_process_group()
+
+
+def run_matrix(args) -> dict:
+    """Every combination of window size, overlap and input placement, one stream each, over one set
+    of groups (built with overlap: main and side pairs); stops at the first failure (which raises)."""
+    if args.case != "ok":
+        raise SystemExit("--matrix runs case ok only")
+    args.overlap = True
+    placed = rank_groups(args)
+    done = []
+    for w in args.windows:
+        for overlap in args.overlaps:
+            for inputs in args.input_kinds if args.device == "cuda" else ["host"]:
+                combo = argparse.Namespace(**{**vars(args), "window": w, "overlap": overlap, "inputs": inputs})
+                result = run(combo, placed)
+                done.append(f"W{w} overlap={'on' if overlap else 'off'} inputs={inputs}")
+                if dist.get_rank() == 0:
+                    print(f"passed {done[-1]}: {result}", flush=True)
+    return dict(case="ok", matrix=len(done), combinations=done)
 
 
 if __name__ == "__main__":

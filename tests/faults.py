@@ -247,7 +247,9 @@ CASES = [
     # --- one rank's bad input or config: every rank of the DP group raises the same ReorderError -------
     FaultCase("labels_wider_on_one_rank", "emulated", where="rank 1's micro-batch (emulated dp 3)",
               input="labels padded by 3 tokens (width 195, the others 192)",
-              sees=(Seen(EVERY, "ReorderError", ("batch layout differs across ranks", "labels:d0:int64:[195]")),),
+              sees=(Seen(EVERY, "ReorderError", "batch layout differs across ranks: field 'labels' is int64 [192] "
+                         "(batch dim 0) on ranks [0, 2], int64 [195] (batch dim 0) on ranks [1]; fields, dtypes and "
+                         "per-sample shapes must match (pad to a fixed sequence length)", "equals"),),
               params=dict(dp=3, shares=_labels_padded)),
     FaultCase("grid_thw_disagrees_with_input_ids", "emulated", where="rank 0's micro-batch (emulated dp 2)",
               input="grid_thw rows reversed and heights doubled: patch rows no longer match the placeholders",

@@ -121,6 +121,7 @@ def take(layout: BatchLayout, shards: list, index, device: torch.device | str | 
     shard of views into one block on `device` (None: where the first shard's input_ids lives)."""
     from reorder.exchange.executors import select_executor  # the executor is chosen per device
 
+    layout = layout.resolved()  # a field left "any" (no image, or one row each) packs alike either way
     blobs = [s.list_blobs() if layout.lists else [] for s in shards]
     counts = SampleCounts(np.concatenate([shard_counts(s, b).table for s, b in zip(shards, blobs)]))
     moves = take_moves(byte_fields(layout), counts, [s.n for s in shards], index)

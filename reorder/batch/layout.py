@@ -96,11 +96,14 @@ class BatchLayout:
         decided), else "row". On this rank such a field has as many entries per sample as rows and
         as images, so either kind packs its bytes identically; only a rank that holds a telling
         shape can decide, and the others adopt its kind."""
-        kinds = kinds or {}
+        return self.adopting(kinds or {}, rest="row")
+
+    def adopting(self, kinds: dict, rest: str = "any") -> "BatchLayout":
+        """This layout with each "any" ragged field named in `kinds` given that kind, the others `rest`."""
         if all(f.per != "any" for f in self.ragged):
             return self
-        ragged = tuple(RaggedField(f.path, kinds.get(f.path, "row"), f.dtype, f.entry_shape) if f.per == "any" else f
-                       for f in self.ragged)
+        ragged = tuple(_ragged_field(f.path, kinds.get(f.path, rest), f.dtype, f.entry_shape) if f.per == "any"
+                       else f for f in self.ragged)
         return BatchLayout(self.dense, ragged, self.lists, self.grid_thw_path)
 
     def signature(self) -> str:
@@ -149,6 +152,49 @@ def unify(signatures: list) -> dict | None:
             return None
         kinds[tuple(fields[0][0].split("/"))] = pers.pop()
     return kinds
+
+
+def window_layout(layouts: list) -> "BatchLayout":
+    """The one layout of a window's micro-batches (as counted on this rank): a field left "any" in
+    some micro-batch takes the kind another one shows (a share without images next to one with
+    images), as across ranks (`unify`). Raises LayoutError naming the first field that really
+    differs (fields, dtypes, per-sample shapes, or per row in one micro-batch and per image in
+    another) and the two micro-batches."""
+    signatures = [layout.signature() for layout in layouts]
+    if len(set(signatures)) == 1:
+        return layouts[0]
+    kinds = unify(signatures)
+    if kinds is not None:
+        return layouts[0].adopting(kinds)
+    k = next(k for k in range(len(signatures)) if unify(signatures[:k + 1]) is None)
+    j = next(j for j in range(k) if unify([signatures[j], signatures[k]]) is None)
+    path, (this, that) = first_difference([signatures[k], signatures[j]])
+    raise LayoutError(f"micro-batch {k} of the window: field {path!r} is {this}, micro-batch {j} has {that}: every "
+                      f"micro-batch must carry the same fields, dtypes and per-sample shapes (pad to a fixed "
+                      f"sequence length)")
+
+
+def first_difference(signatures: list) -> tuple:
+    """(path, [what each signature holds there, in words]) of the first field whose entries differ
+    across layout signatures (a field one signature lacks is "absent"): the part of a layout
+    mismatch that names what to fix, short whatever the number of fields."""
+    maps = [dict((e.split(":", 1)[0], e) for e in s.split(";") if e) if s else {} for s in signatures]
+    paths = list(dict.fromkeys(p for m in maps for p in m))
+    path = next(p for p in paths if len({m.get(p) for m in maps}) > 1)
+    return path, [_in_words(m.get(path)) for m in maps]
+
+
+def _in_words(entry: str | None) -> str:
+    """One signature entry in words: 'bfloat16 [4] per row', 'int64 [3, 512] (batch dim 1)', ..."""
+    if entry is None:
+        return "absent"
+    parts = entry.split(":")
+    if len(parts) == 2:
+        return "a per-sample list"
+    _, kind, dtype, shape = parts
+    if kind.startswith("d") and kind[1:].isdigit():
+        return f"{dtype} {shape} (batch dim {kind[1:]})"
+    return f"{dtype} {shape} per {'row or image' if kind == 'any' else kind}"
 
 
 def field_at(batch, path: Path):

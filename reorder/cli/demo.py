@@ -158,7 +158,8 @@ class _DemoRank:
         self.rank, self.world, self.cfg = rank, world, cfg
         self.dps = {"vision": dv, "language": dl}
         groups = build_groups({"vision": [list(range(dv))], "language": [list(range(dv, dv + dl))]},
-                              overlap=cfg["overlap"], timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
+                              device="cpu", overlap=cfg["overlap"],
+                              timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
         self.module, self.grid = groups.module, groups.grid
         self.cost = _cost(cfg["language_weight"])
         self.fields = module_fields(self.module, self.cost)

@@ -2,10 +2,11 @@
 
 `build_groups` is a world-wide collective: every rank of every module calls it with the same
 arguments in the same order (dp-1 modules included) and it creates groups only when the canonical
-grid G > 1, never gated on a rank's own DP size. Payloads travel on the data backend (NCCL for CUDA
-tensors, Gloo on CPU). The fixed-size int64 metadata travels on the data group too when that is NCCL
-(a private CUDA stream, pinned staging buffers: ~0.1 ms instead of Gloo's 0.3+ ms, and it never waits
-for the training stream's queued kernels), else on Gloo; `meta_backend="gloo"` forces Gloo.
+grid G > 1, never gated on a rank's own DP size. Payloads travel on the data backend, which follows
+where the micro-batches live (NCCL for CUDA tensors, Gloo for host ones). The fixed-size int64
+metadata travels on the data group too when that has NCCL (a private CUDA stream, pinned staging
+buffers: ~0.1 ms instead of Gloo's 0.3+ ms, and it never waits for the training stream's queued
+kernels), else on Gloo; `meta_backend="gloo"` forces Gloo.
 """
 
 from __future__ import annotations
@@ -94,6 +95,19 @@ def _wait(event, timeout: float, what: str, spin: float = 2e-4) -> None:
             time.sleep(5e-5 if spin and waited < 0.1 else 1e-3)
 
 
+def data_backend_for(device, cuda_available: bool) -> str:
+    """The payload backend for micro-batches that live on `device`: Gloo for the CPU, NCCL for CUDA,
+    and, when the device is not known in advance (None) on a machine with CUDA, a group with both
+    ("cpu:gloo,cuda:nccl": torch picks by the tensor's device, so host and device batches both work).
+
+    >>> data_backend_for("cpu", True), data_backend_for("cuda:0", True), data_backend_for(None, False)
+    ('gloo', 'nccl', 'gloo')
+    """
+    if device is None:
+        return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankGroups:
     """This rank's module, place on the grid, and its reorder groups (None where dp == 1 or G == 1).
@@ -107,7 +121,7 @@ class RankGroups:
     side: TorchCollectives | None
 
 
-def build_groups(modules: dict, *, data_backend: str | None = None, overlap: bool = True,
+def build_groups(modules: dict, *, device=None, data_backend: str | None = None, overlap: bool = True,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=5),
                  meta_backend: str = "auto") -> RankGroups:
     """Create reorder's process groups; call on every rank of the world with identical arguments.
@@ -115,8 +129,10 @@ def build_groups(modules: dict, *, data_backend: str | None = None, overlap: boo
     modules: name -> list of DP groups, each a list of global ranks (one DP group per tp/cp/pp
     coordinate; all groups of a module have the same size), e.g. {"vision": [[0, 1]],
     "language": [[2, 3, 4, 5]]}. A rank may appear in several modules (colocated); the first
-    module listing it is returned. data_backend defaults to NCCL when CUDA is available.
-    meta_backend: "auto" (metadata on the data group when it is NCCL, else Gloo) or "gloo".
+    module listing it is returned. data_backend: the payload backend; by default it follows where the
+    data lives (`data_backend_for(device)`). device: where the reordered micro-batches live (the
+    exchanger's `device`; None: where they are read). meta_backend: "auto" (metadata on the data
+    group's NCCL backend when it has one, else Gloo) or "gloo".
     """
     if meta_backend not in ("auto", "gloo"):
         raise ValueError(f"meta_backend={meta_backend!r} is invalid: expected 'auto' or 'gloo'")
@@ -137,7 +153,7 @@ def build_groups(modules: dict, *, data_backend: str | None = None, overlap: boo
     name, mine = where
     grid = Grid(groups=groups, dp=len(mine), rank=sorted(mine).index(me))  # DP rank = position in sorted ranks
     if data_backend is None:
-        data_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        data_backend = data_backend_for(device, torch.cuda.is_available())
     main = side = None
     if groups > 1:  # same decision on every rank: group creation is world-wide
         for pair in ("main", "side") if overlap else ("main",):
@@ -148,7 +164,7 @@ def build_groups(modules: dict, *, data_backend: str | None = None, overlap: boo
                     data = dist.new_group(ranks, backend=data_backend, timeout=timeout)
                     if module == name and me in ranks and len(ranks) > 1 and sorted(mine) == ranks:
                         coll = TorchCollectives(meta, data, timeout=timeout.total_seconds(),
-                                                meta_on_device=meta_backend == "auto" and data_backend == "nccl",
+                                                meta_on_device=meta_backend == "auto" and "nccl" in data_backend,
                                                 spin=2e-4 if pair == "main" else 0.0)
                         if pair == "main":
                             main = coll

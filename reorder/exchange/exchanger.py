@@ -18,9 +18,11 @@ import numpy as np
 import torch
 
 from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, read_lists, resolved, unit_bytes
-from reorder.batch.layout import LayoutError, describe, field_at, grid_thw_of, rebuild, unify
+from reorder.batch.layout import (LayoutError, describe, field_at, first_difference, grid_thw_of, rebuild, unify,
+                                  window_layout)
 from reorder.exchange.collectives import Collectives
 from reorder.exchange.executors import select_executor
+from reorder.exchange.placement import Placement, place
 from reorder.plan import wire
 from reorder.plan.backoff import Backoff
 from reorder.plan.cost import CostModel
@@ -174,10 +176,10 @@ class WindowExchanger:
             return out, WindowReport.of(plan, sent_bytes=0, plan_ms=plan_ms, t0=t0, marks=marks)
         fields = byte_fields(layout)
         moves = build_moves(fields, counts, plan, self.grid.rank)
-        sources = self._sources(layout, window)
-        send = self._pack(moves, sources) if plan.moves_anything and self.grid.dp > 1 else None
+        placement, sources = self._sources(layout, window)
+        send = self._pack(moves, sources, placement) if plan.moves_anything and self.grid.dp > 1 else None
         mark("pack")
-        recv = self._all_to_all(send, moves) if send is not None else self._nothing_received(sources[0].device)
+        recv = self._all_to_all(send, moves) if send is not None else self._nothing_received(placement.target)
         mark("all_to_all")
         out = self._assemble(batches, layout, window, moves, [recv] + sources)
         mark("assemble")
@@ -212,9 +214,6 @@ class WindowExchanger:
         for slot, batch in enumerate(batches):
             started = self._start_copies(batch) if early else {}
             layout, shard, c = self._count(slot, batch)
-            if layouts and layout != layouts[0]:
-                raise LayoutError(f"micro-batch {slot} of the window has layout {layout.signature()!r} but "
-                                  f"micro-batch 0 has {layouts[0].signature()!r}: pad to a fixed width")
             if early:  # counted where it lives; the copies not started before counting start now
                 shard.dense = {k: self._copy_of(v, started) for k, v in shard.dense.items()}
                 shard.ragged = {k: self._copy_of(v, started) for k, v in shard.ragged.items()}
@@ -224,7 +223,7 @@ class WindowExchanger:
             shards.append(shard)
             blobs.append(b)
             counts.append(c)
-        return _Window(layouts[0], shards, blobs, SampleCounts(np.stack(counts)))
+        return _Window(window_layout(layouts), shards, blobs, SampleCounts(np.stack(counts)))
 
     def _start_copies(self, batch) -> dict:
         """early_copy: {id(tensor): its copy on `device`} for the per-sample fields of the last
@@ -286,10 +285,15 @@ class WindowExchanger:
         if not self._agreed:
             self._agree()
         frame = np.zeros(wire.window_words(self.window_size, self.local_batch, len(COLUMNS)), dtype=np.int64)
-        wire.encode_window(frame, error=error, slots=slots, layout="" if window is None else window.layout.signature(),
+        layout = "" if window is None else window.layout.signature()
+        wire.encode_window(frame, error=error, slots=slots, layout=layout,
                            counts=None if window is None else window.counts.table)
         gathered = self.collectives.all_gather(torch.from_numpy(frame)).numpy()
-        problem, signatures = wire.window_problem(gathered)
+        texts, words = None, wire.long_text_words(gathered)
+        if words:  # some rank's error or layout did not fit its frame: every rank gathers them whole
+            text = wire.encode_text(wire.window_text(error, layout), words)
+            texts = [wire.text_of(row) for row in self.collectives.all_gather(torch.from_numpy(text)).numpy()]
+        problem, signatures = wire.window_problem(gathered, texts)
         if problem is not None:
             raise ReorderError(problem)
         if window is None:
@@ -325,10 +329,11 @@ class WindowExchanger:
         saw), or the same ReorderError on every rank when the ranks' layouts cannot agree."""
         kinds = {} if signatures is None else unify(signatures)
         if kinds is None:
-            detail = "; ".join(f"ranks {[q for q, v in enumerate(signatures) if v == s]}: {s}"
-                               for s in dict.fromkeys(signatures))
-            raise ReorderError(f"batch layout differs across ranks (fields, dtypes and per-sample shapes must "
-                               f"match: pad to a fixed sequence length): {detail}")
+            path, held = first_difference(signatures)
+            detail = ", ".join(f"{what} on ranks {[q for q, h in enumerate(held) if h == what]}"
+                               for what in dict.fromkeys(held))
+            raise ReorderError(f"batch layout differs across ranks: field {path!r} is {detail}; fields, dtypes "
+                               f"and per-sample shapes must match (pad to a fixed sequence length)")
         return layout.resolved(kinds)
 
     # ---- moving the bytes ---------------------------------------------------------------------
@@ -343,17 +348,16 @@ class WindowExchanger:
             ex = self._executors[device] = select_executor(device)
         return ex
 
-    def _sources(self, layout, window: _Window) -> list:
-        """This rank's buffers, [slot * F + field], readable by the executor on the target device
-        (host buffers that are not pinned are moved there whole, by DMA)."""
+    def _sources(self, layout, window: _Window) -> tuple[Placement, list]:
+        """The window's placement and this rank's buffers, [slot * F + field], readable by the
+        executor on the target device (the others, e.g. host buffers that are not pinned, are moved
+        there whole, by DMA)."""
         dev = self._target(window)
         reads_pinned = getattr(self._executor(dev), "reads_pinned_host", False)
-        out = []
-        for shard, blobs in zip(window.shards, window.blobs):
-            for t in field_buffers(layout, shard, blobs):
-                same = t.device == dev or (reads_pinned and t.device.type == "cpu" and t.is_pinned())
-                out.append(t if same else t.to(dev, non_blocking=True))
-        return out
+        bufs = [t for shard, blobs in zip(window.shards, window.blobs) for t in field_buffers(layout, shard, blobs)]
+        placement = place(dev, [(t.device, reads_pinned and t.device.type == "cpu" and t.is_pinned()) for t in bufs],
+                          reads_pinned_host=reads_pinned)
+        return placement, [t if direct else t.to(dev, non_blocking=True) for t, direct in zip(bufs, placement.direct)]
 
     def _nothing_received(self, device) -> torch.Tensor:
         """An empty receive buffer on `device` (made once per device; the assemble table reads
@@ -363,9 +367,11 @@ class WindowExchanger:
             t = self._empty[device] = torch.empty(0, dtype=torch.uint8, device=device)
         return t
 
-    def _pack(self, moves, sources) -> torch.Tensor:
-        send = torch.empty(sum(moves.send_splits), dtype=torch.uint8, device=sources[0].device)
-        self._executor(send.device).run(moves.pack, sources, [send])
+    def _pack(self, moves, sources, placement: Placement) -> torch.Tensor:
+        """The send buffer, on the placement's target (where the data group's collective reads it),
+        whichever device the first source lives on."""
+        send = torch.empty(sum(moves.send_splits), dtype=torch.uint8, device=placement.target)
+        self._executor(placement.target).run(moves.pack, sources, [send])
         return send
 
     def _all_to_all(self, send, moves) -> torch.Tensor:

@@ -20,6 +20,7 @@ Executors:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -211,10 +212,43 @@ def launch_table(segments: Segments, src_ptr: np.ndarray, dst_ptr: np.ndarray, b
     return out, n, blocks
 
 
+class KeepAlive:
+    """Tensors that queued device work reads by raw address, held until that work is done.
+
+    torch's caching allocators learn of pending work on a block only from torch's own operations
+    (a non-blocking copy records an event on a pinned host block; a stream records itself on a
+    device block). A kernel that reads a tensor through its address is invisible to them: once the
+    caller drops the tensor, its block can be handed to the next allocation (the next
+    `pin_memory()`) and overwritten before the kernel has read it. `hold` keeps the tensors
+    referenced until a CUDA event recorded after the launch completes; completed entries are
+    dropped at every later `hold` (in launch order) and all of them at `wait`."""
+
+    def __init__(self):
+        self._pending = collections.deque()  # (event, tensors), in launch order
+
+    def hold(self, tensors: list, stream) -> None:
+        """Keep `tensors` alive until the work queued so far on `stream` is done."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._pending.append((event, tensors))
+        while self._pending and self._pending[0][0].query():
+            self._pending.popleft()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def wait(self) -> None:
+        """Block until every held tensor's work is done, then let them go."""
+        while self._pending:
+            self._pending.popleft()[0].synchronize()
+
+
 class TritonExecutor:
     """One Triton kernel launch per `run`. Destinations must be CUDA tensors on one device; sources
     CUDA tensors on that device or pinned host tensors (device-addressable under unified addressing,
-    so their raw addresses are used as is). The table from `launch_table` is staged in pinned host
+    so their raw addresses are used as is). The pinned host sources of a launch are held (`KeepAlive`)
+    until an event recorded after it completes: the kernel reads them by address, which the caching
+    host allocator cannot see. The table from `launch_table` is staged in pinned host
     memory and copied to the device non-blocking on the current stream, then one program per block
     of `block_bytes` copies its bytes with the widest word the relative alignment of its source and
     destination allows (16-byte aligned int64 pairs, int32, int16, else bytes), head and tail bytes
@@ -236,6 +270,12 @@ class TritonExecutor:
 
         self._kernel = triton_copy.copy_segments
         self._fallback = None  # the torch executor, once a launch has failed
+        self.alive = KeepAlive()  # pinned host sources of launches that may still be reading them
+
+    def __del__(self):
+        alive = getattr(self, "alive", None)
+        if alive is not None:
+            alive.wait()  # a held block must not return to the host allocator while a kernel reads it
 
     def run(self, segments: Segments, sources: list[torch.Tensor],
             destinations: list[torch.Tensor]) -> None:
@@ -248,6 +288,10 @@ class TritonExecutor:
             return self._fallback.run(segments, sources, destinations)
         try:
             self._launch(segments, src_ptr, dst_ptr, device)
+            if not self.interpret:
+                host = [t for t in sources if not t.is_cuda]
+                if host:
+                    self.alive.hold(host, torch.cuda.current_stream(device))
         except Exception as e:  # e.g. no Triton compiler for this GPU: nothing was copied yet
             self._fallback = TorchExecutor()
             log.warning("reorder: the Triton copy kernel failed (%s: %s); segment copies run the torch "

@@ -258,7 +258,7 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
         raise ValueError(f"data_iterator is None on rank {me} (module {module!r}) but reorder is on: every "
                          f"rank must load at least input_ids (see fields_to_load) to compute the cost")
     dev = None if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    rg = build_groups(dp_groups, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
+    rg = build_groups(dp_groups, device=dev, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
     ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, device=dev, **cfg.exchanger_settings(),
                          collectives=rg.side if cfg.overlap else rg.main, early_copy=not cfg.overlap)
     return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,

@@ -7,9 +7,13 @@ Two frames, both gathered over the module's DP group with one all-gather each:
   text as `TEXT_WORDS` words of zero-padded UTF-8). Its size depends on nothing a rank chooses, so
   ranks configured differently still gather it and every rank names the same differing field;
 - the **window frame**, once per window: `WINDOW_HEAD` (magic, error flag, micro-batches in the
-  window, CRC-32 of the batch layout signature), `TEXT_BYTES` of text (the error message, else the
-  layout signature) and the counts, `window_size x B/dp x Column` int64 (zeros past the window's
-  micro-batches). Its size depends on the config, which the config frame has already shown to match.
+  window, CRC-32 of the batch layout signature, the text's length in bytes), the first `TEXT_BYTES`
+  of the text (the error message, else the layout signature) and the counts, `window_size x B/dp x
+  Column` int64 (zeros past the window's micro-batches). Its size depends on the config, which the
+  config frame has already shown to match;
+- the **text frame**, only after a window frame in which some rank's text was longer than
+  `TEXT_BYTES`: every rank's whole text, `long_text_words` words each (every rank computes the same
+  size from the gathered window frames), so errors and layout signatures never arrive cut off.
 
 Pure numpy: numbers in, numbers out; the driver (`reorder.exchange.exchanger`) gathers the frames
 and turns what `config_mismatch` / `decode_window` find into errors.
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x52454F52  # "REOR"
-TEXT_BYTES = 1024  # error message or layout signature, truncated
+TEXT_BYTES = 1024  # error message or layout signature: its first bytes (all of it in a text frame)
 TEXT_WORDS = 4  # a text config field: 32 bytes
 _NONE = 0x7FF8_DEAD_0000_0001  # a NaN bit pattern: None for optional floats (finite values never have it)
 
@@ -49,7 +53,7 @@ CONFIG = (Field("micro_batch_size", "int"), Field("groups", "int"), Field("dp", 
           Field("cross_slot", "int"), Field("min_gain", "float"), Field("min_saving", "float"),
           Field("gate_backoff", "int"), Field("given_costs", "int"), Field("given_image_counts", "int"))
 CONFIG_WORDS = 1 + sum(f.words for f in CONFIG)
-WINDOW_HEAD = ("magic", "error", "slots", "layout")
+WINDOW_HEAD = ("magic", "error", "slots", "layout", "text_bytes")
 TEXT_AT = len(WINDOW_HEAD)
 COUNTS_AT = TEXT_AT + TEXT_BYTES // 8
 
@@ -112,24 +116,43 @@ def window_words(window_size: int, local_batch: int, columns: int) -> int:
 def encode_window(frame: np.ndarray, *, error: str | None, slots: int, layout: str, counts: np.ndarray | None):
     """Fill `frame` (int64 [window_words], zeroed) with this rank's window: the error text when it
     failed, else the layout signature; counts [slots, B/dp, columns] when it has a window."""
-    text = error if error is not None else layout
-    frame[:TEXT_AT] = (MAGIC, int(error is not None), slots, zlib.crc32(layout.encode()))
-    frame[TEXT_AT:COUNTS_AT] = np.frombuffer(text.encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), np.int64)
+    text = window_text(error, layout).encode()
+    frame[:TEXT_AT] = (MAGIC, int(error is not None), slots, zlib.crc32(layout.encode()), len(text))
+    frame[TEXT_AT:COUNTS_AT] = np.frombuffer(text[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), np.int64)
     if counts is not None:
         frame[COUNTS_AT:COUNTS_AT + counts.size] = counts.reshape(-1)
     return frame
 
 
-def window_problem(gathered: np.ndarray) -> tuple[str | None, list | None]:
+def window_text(error: str | None, layout: str) -> str:
+    """The text a rank's window frame carries: its error, else its layout signature."""
+    return error if error is not None else layout
+
+
+def long_text_words(gathered: np.ndarray) -> int:
+    """Words per rank of the text frame the gathered window frames [dp, window_words] call for: 0 when
+    every rank's text fit its window frame, else the longest text's length in int64 words."""
+    longest = int(gathered[:, WINDOW_HEAD.index("text_bytes")].max())
+    return 0 if longest <= TEXT_BYTES else -(-longest // 8)
+
+
+def encode_text(text: str, words: int) -> np.ndarray:
+    """int64 [words]: the text frame of `text` (zero-padded UTF-8; `words` from `long_text_words`)."""
+    return np.frombuffer(text.encode().ljust(8 * words, b"\0"), np.int64).copy()
+
+
+def window_problem(gathered: np.ndarray, texts: list | None = None) -> tuple[str | None, list | None]:
     """(error text, layout signatures) from the gathered window frames [dp, window_words]: the error
     every rank must raise (a rank's own error, or micro-batch counts that differ), else None; and,
     when the window is not empty and the layout checksums differ, each rank's layout signature,
-    else None."""
+    else None. texts: every rank's whole text, from the text frames when `long_text_words` asked
+    for them (else each frame's first TEXT_BYTES are the whole text)."""
+    if texts is None:
+        texts = [text_of(gathered[q, TEXT_AT:COUNTS_AT]) for q in range(len(gathered))]
     head = gathered[:, :TEXT_AT]
     failed = np.flatnonzero(head[:, 1])
     if len(failed):
-        return "reorder failed on " + "; ".join(f"rank {q}: {text_of(gathered[q, TEXT_AT:COUNTS_AT])}"
-                                                for q in failed.tolist()), None
+        return "reorder failed on " + "; ".join(f"rank {q}: {texts[q]}" for q in failed.tolist()), None
     slots = head[:, 2].tolist()
     if len(set(slots)) > 1:
         return ("micro-batch count of this window differs across the DP group (a data iterator ended early or "
@@ -137,7 +160,7 @@ def window_problem(gathered: np.ndarray) -> tuple[str | None, list | None]:
                 + ", ".join(f"rank {q}: {v}" for q, v in enumerate(slots))), None
     if slots[0] == 0 or (head[:, 3] == head[0, 3]).all():
         return None, None
-    return None, [text_of(gathered[q, TEXT_AT:COUNTS_AT]) for q in range(len(gathered))]
+    return None, list(texts)
 
 
 def counts_of(gathered: np.ndarray, slots: int, local_batch: int, columns: int) -> np.ndarray:

@@ -186,9 +186,9 @@ def test_ranks_whose_weights_differ_only_in_the_sign_of_zero_raise_the_same_erro
 # --- the window frame ------------------------------------------------------------------------------
 
 def test_window_frame_layout():
-    assert (wire.TEXT_AT, wire.COUNTS_AT, wire.TEXT_BYTES) == (4, 132, 1024)
-    assert wire.window_words(2, 3, 7) == 132 + 2 * 3 * 7
-    assert wire.window_words(1, 1, 1) == 133
+    assert (wire.TEXT_AT, wire.COUNTS_AT, wire.TEXT_BYTES) == (5, 133, 1024)
+    assert wire.window_words(2, 3, 7) == 133 + 2 * 3 * 7
+    assert wire.window_words(1, 1, 1) == 134
 
 
 def window(*, error=None, slots=1, layout="abc", counts=None, size=2, local=1, columns=3):
@@ -200,21 +200,38 @@ def window(*, error=None, slots=1, layout="abc", counts=None, size=2, local=1, c
 
 def test_window_frame_word_for_word():
     f = window(counts=np.array([[[7, -8, 9]]], dtype=np.int64))
-    want = [MAGIC, 0, 1, 0x352441C2] + le(b"abc", 128) + [7, -8, 9, 0, 0, 0]  # crc32(b"abc") = 0x352441C2
+    want = [MAGIC, 0, 1, 0x352441C2, 3] + le(b"abc", 128) + [7, -8, 9, 0, 0, 0]  # crc32(b"abc") = 0x352441C2
     assert f.tolist() == want
     f = window(error="bad input", slots=2, layout="", counts=None)
-    assert f.tolist() == [MAGIC, 1, 2, 0] + le(b"bad input", 128) + [0] * 6  # crc32(b"") = 0
+    assert f.tolist() == [MAGIC, 1, 2, 0, 9] + le(b"bad input", 128) + [0] * 6  # crc32(b"") = 0
     f = window(error="e", layout="abc", counts=np.arange(6, dtype=np.int64).reshape(2, 1, 3))
-    assert f[:4].tolist() == [MAGIC, 1, 1, 0x352441C2] and f[4:132].tolist() == le(b"e", 128)
-    assert f[132:].tolist() == [0, 1, 2, 3, 4, 5]
+    assert f[:5].tolist() == [MAGIC, 1, 1, 0x352441C2, 1] and f[5:133].tolist() == le(b"e", 128)
+    assert f[133:].tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def test_window_text_is_cut_to_1024_bytes():
+def test_a_window_frame_holds_the_first_1024_bytes_of_its_text_and_its_whole_length():
     f = window(error="z" * 1100)
-    assert f[4:132].tolist() == le(b"z" * 1024, 128)
+    assert f[5:133].tolist() == le(b"z" * 1024, 128) and f[4] == 1100
     text = "a" + "\u00e9" * 600  # 1201 bytes: the cut falls inside a two-byte character
     f = window(error=text)
-    assert wire.text_of(f[4:132]) == "a" + "\u00e9" * 511 + "\ufffd"
+    assert wire.text_of(f[5:133]) == "a" + "\u00e9" * 511 + "\ufffd" and f[4] == 1201
+
+
+def test_texts_longer_than_the_window_frame_travel_whole_in_a_text_frame():
+    short, long_ = window(error="e"), window(layout="x" * 1025)
+    assert wire.long_text_words(np.stack([short, short])) == 0
+    assert wire.long_text_words(np.stack([window(layout="y" * 1024)])) == 0
+    assert wire.long_text_words(np.stack([short, long_])) == 129  # ceil(1025 / 8)
+    assert wire.encode_text("ab", 2).tolist() == le(b"ab", 2)
+    text = "\u00e9" * 700 + " the field's name"
+    frames = np.stack([window(error=text), window()])
+    words = wire.long_text_words(frames)
+    got = [wire.text_of(wire.encode_text(t, words)) for t in (text, "abc")]
+    assert wire.window_problem(frames, got) == (f"reorder failed on rank 0: {text}", None)
+    assert wire.window_problem(frames)[0] != f"reorder failed on rank 0: {text}"  # cut without the text frame
+    sig = ";".join(f"field{i}:d0:int64:[8]" for i in range(100))
+    assert wire.window_problem(np.stack([window(layout=sig), window(layout=sig + "!")]), [sig, sig + "!"]) == (
+        None, [sig, sig + "!"])
 
 
 def test_text_of():
@@ -258,9 +275,9 @@ def test_counts_of_reads_every_rank_in_rank_major_order(dp, local, window_size, 
     gathered = np.array(data.draw(st.lists(st.lists(st.integers(-2**40, 2**40), min_size=width, max_size=width),
                                            min_size=dp, max_size=dp)), dtype=np.int64)
     got = wire.counts_of(gathered, slots, local, columns)
-    # documented layout: rank q's counts of slot s, sample i, column c at 132 + (s * local + i) * columns + c;
+    # documented layout: rank q's counts of slot s, sample i, column c at 133 + (s * local + i) * columns + c;
     # the window's sample q * local + i of slot s
-    want = [[[int(gathered[q, 132 + (s * local + i) * columns + c]) for c in range(columns)]
+    want = [[[int(gathered[q, 133 + (s * local + i) * columns + c]) for c in range(columns)]
              for q in range(dp) for i in range(local)] for s in range(slots)]
     assert got.shape == (slots, dp * local, columns)
     assert got.tolist() == want

@@ -1,0 +1,48 @@
+"""Where one window's buffers live: decided once per window, as a value, before anything is allocated.
+
+The target device holds the outputs, the send and the receive buffers (what the data group's
+collective reads and writes: NCCL only takes CUDA tensors, Gloo host ones), and the executor runs
+there. A source buffer is read in place when it is on the target, or when it is pinned host memory
+and the executor reads pinned memory directly (the Triton kernel); otherwise it is copied to the
+target first. Nothing here depends on which source comes first.
+
+A source read in place from the host is read by the kernel through its raw address, which torch's
+caching host allocator cannot see: the executor must keep such a source referenced until its copy
+is known to be done (`TritonExecutor` holds it until an event recorded after the launch completes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One window's placement.
+
+    target: the device of outputs, send and receive buffers, and of the executor's launches.
+    direct: per source buffer, in order: read where it is (True) or copied to `target` first.
+    host_reads: some source is read in place from pinned host memory (its lifetime is then the
+      executor's to guard until the copy completes).
+    """
+
+    target: torch.device
+    direct: tuple
+    host_reads: bool
+
+
+def place(target: torch.device, sources: list, *, reads_pinned_host: bool) -> Placement:
+    """The placement of a window whose outputs go to `target`.
+
+    Args:
+        target: where the reordered micro-batches go (the exchanger's `device`, else where input_ids
+            lives), a CUDA device with its index.
+        sources: per source buffer, (its device, whether it is pinned host memory).
+        reads_pinned_host: the target's executor reads pinned host memory directly.
+    """
+    kernel_reads_host = reads_pinned_host and target.type == "cuda"
+    direct = tuple(d == target or (kernel_reads_host and d.type == "cpu" and pinned) for d, pinned in sources)
+    host_reads = any(ok and d != target for ok, (d, _) in zip(direct, sources))
+    return Placement(target=target, direct=direct, host_reads=host_reads)

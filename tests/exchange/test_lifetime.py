@@ -1,0 +1,62 @@
+"""`KeepAlive`: tensors read by a kernel through their addresses stay referenced until the event
+recorded after the launch completes, released in launch order, all of them at `wait`. CUDA events
+are replaced by fakes whose completion the test sets."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from reorder.exchange import executors
+from reorder.exchange.executors import KeepAlive
+
+
+class FakeEvent:
+    """A CUDA event whose completion the test decides; `synchronize` completes it."""
+
+    made = []
+
+    def __init__(self):
+        self.done, self.stream = False, None
+        FakeEvent.made.append(self)
+
+    def record(self, stream):
+        self.stream = stream
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+@pytest.fixture
+def events(monkeypatch):
+    FakeEvent.made = []
+    monkeypatch.setattr(executors.torch.cuda, "Event", FakeEvent)
+    return FakeEvent.made
+
+
+def held(refs):
+    gc.collect()
+    return [r() is not None for r in refs]
+
+
+def test_held_tensors_live_until_their_event_completes_and_go_in_launch_order(events):
+    alive = KeepAlive()
+    tensors = [torch.arange(4) + i for i in range(3)]
+    refs = [weakref.ref(t) for t in tensors]
+    for t in tensors:
+        alive.hold([t], stream="s")
+    del tensors, t
+    assert held(refs) == [True, True, True] and len(alive) == 3
+    assert [e.stream for e in events] == ["s"] * 3
+    events[1].done = True  # a later launch done before an earlier one: nothing goes out of order
+    alive.hold([], stream="s")
+    assert held(refs) == [True, True, True]
+    events[0].done = True
+    alive.hold([], stream="s")  # the first two go; the third's work and the empty holds' remain
+    assert held(refs) == [False, False, True]
+    alive.wait()
+    assert held(refs) == [False, False, False] and len(alive) == 0 and all(e.done for e in events)
