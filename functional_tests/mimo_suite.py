@@ -10,20 +10,26 @@ images of variable size, fixed-width padding), read through reorder's CanonicalB
 `reorder.integrations.megatron.wrap`. The encoder is per-image (sample-local), so reordering changes which rank
 runs a sample, never its activations.
 
+Layouts: colocated (default: both modules on every rank, dp = world) or non-colocated with
+--encoder-dp E --language-dp L (world E + L, L a multiple of E): the encoder on ranks 0..E-1 with DP E,
+the language model on ranks E..E+L-1 with DP L, reorder's canonical grid G = lcm(E, L) = L, and the real
+MultiModulePipelineCommunicator / BridgeCommunicator 1F1B schedule between them (fan-out by position:
+encoder rank v's micro-batch feeds language ranks v*k..v*k+k-1, k = L / E, split per sample).
+
 Tests (launch with torchrun; every rank runs the same test):
-  parity     colocated dp 2: reorder off vs on, iteration-1 loss difference, per-micro-batch image
+  parity     colocated: reorder off vs on, iteration-1 loss difference, per-micro-batch image
              token sums over ranks, then --iters iterations: loss curves within --tolerance
-  resume     colocated dp 2, reorder on: checkpoint after k iterations (model, optimizer, and the
+  resume     either layout, reorder on: checkpoint after k iterations (model, optimizer, and the
              state of the buffer wrap returns: what training consumed), resume in fresh objects with
              the data source rebuilt from it, next iterations must equal the continuous run bit for bit
-  soak       colocated dp 2: --iters iterations per combo of --windows x --overlaps x --weights;
+  soak       either layout: --iters iterations per combo of --windows x --overlaps x --weights;
              sample accounting exact (every sample of every global micro-batch seen once, on the rank
-             the reference plan says), no hang, no error
-  noncoloc   encoder grid on rank 0, language grid on rank 1 (dp 1 each: grid 1, local permutation),
-             the real MultiModulePipelineCommunicator / BridgeCommunicator 1F1B schedule: both ranks see
-             the same sample order, every sample's image embeddings arrive at that sample's placeholders
-             (per-sample checksums, encoder output vs language input), reorder off vs on give the same
-             losses; a control run where only the language rank reorders must show mismatches
+             the reference plan says, in every module), no hang, no error
+  noncoloc   non-colocated, E = L = 1 unless given (grid 1: a local permutation); hetero: the same test,
+  hetero     E = 2, L = 4 unless given. Reorder off vs on: every sample's image embeddings arrive at that
+             sample's placeholders (per-sample checksums, encoder output vs language input), both modules
+             hold the reference plan's order, the losses agree; a control run where only the language
+             ranks reorder must show mismatches; then `resume` with reorder on
   --device cpu runs every test on Gloo with small CPU shims (debugging only: megatron hard-codes CUDA and
   NCCL in a few places, which the shims redirect).
 Every rank prints one `RESULT {json}` line at the end (rank 0's is the summary).
@@ -35,6 +41,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import json
 import math
 import os
@@ -267,12 +274,100 @@ def build_model(args, enc_grid, lang_grid, embd, device):
     return model
 
 
+# ---- layouts ---------------------------------------------------------------------------------------
+
+def megatron_init(args):
+    """Megatron's process-wide state that the local-spec modules need (the CPU shims, or on CUDA the
+    global memory buffer and the model-parallel RNG tracker); returns this rank's device."""
+    if args.device == "cpu":
+        cpu_shims()
+        return torch.device("cpu")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state._set_global_memory_buffer()
+    model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
+    return torch.device("cuda", torch.cuda.current_device())  # init_torchrun's rank_device
+
+
+def setup(args):
+    """Model, grids, data and process groups of the layout the arguments ask for, as the dict `env`
+    that every test and `Run` read.
+
+    Colocated (no --encoder-dp): both modules on every rank, dp = world, G = dp.
+    Non-colocated (--encoder-dp E --language-dp L, world E + L): the encoder on ranks 0..E-1 (dp E),
+    the language model on ranks E..E+L-1 (dp L), G = lcm(E, L) = L; training runs megatron's 1F1B
+    schedule, whose MultiModulePipelineCommunicator hands the encoder output to the language ranks
+    through BridgeCommunicator (fan-out by position: encoder rank v feeds language ranks v*k..v*k+k-1,
+    k = L / E, split per sample).
+
+    env keys: model, init_state, device, ds, tmp; grids {module: HyperCommGrid} (what `wrap` gets);
+    module (this rank's module) and loads (the modules whose fields it reads); dp, dp_rank, dp_group
+    (this rank's module); groups (G); modules {module: global ranks in DP order}; pipeline (None, or the
+    schedule's communicator and process groups); gloo (a world-wide Gloo group)."""
+    device = megatron_init(args)
+    world, me = dist.get_world_size(), dist.get_rank()
+    backend = "gloo" if args.device == "cpu" else "nccl"
+    colocated = args.encoder_dp is None
+    E, L = (world, world) if colocated else (args.encoder_dp, args.language_dp)
+    if not colocated and E + L != world:
+        raise SystemExit(f"--encoder-dp {E} --language-dp {L} needs {E + L} ranks, the world has {world}")
+    enc_grid = make_comm_grid(0, E, backend)
+    lang_grid = make_comm_grid(0 if colocated else E, L, backend)
+    grids = {ENC: enc_grid, LANG: lang_grid}
+    embd = embedding_groups([enc_grid, lang_grid])
+    model = build_model(args, enc_grid, lang_grid, embd, device)
+    module = LANG if colocated or me >= E else ENC
+    mine = grids[module]
+    env = {"model": model, "init_state": copy.deepcopy(model.state_dict()), "device": device, "grids": grids,
+           "module": module, "loads": [ENC, LANG] if colocated else [module],
+           "dp": mine.size, "dp_rank": me - mine.rank_offset,  # tp = cp = pp = 1: a grid is one DP group
+           "dp_group": mine.get_pg("dp"), "groups": math.lcm(E, L),
+           "modules": ({LANG: list(range(world))} if colocated else
+                       {ENC: list(range(E)), LANG: list(range(E, E + L))}),
+           "layout": f"colocated dp {world}" if colocated else f"encoder dp {E} + language dp {L}",
+           "pipeline": None, "gloo": dist.new_group(backend="gloo"),
+           "ds": Dataset(args.dataset, args.seq_len, args.features, args.mix, args.scale, args.seed),
+           "tmp": tempfile.mkdtemp(prefix="mimo_suite_")}
+    if not colocated:
+        from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+        from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+        pgc = MultiModuleProcessGroupCollection(module_pgs={module: pg_collection(mine, embd)},
+                                                language_model_module_name=LANG if module == LANG else None)
+        comm = MultiModulePipelineCommunicator(grids, {ENC: [LANG], LANG: []}, model.config,
+                                               dim_mapping={"s": 0, "h": 2, "b": 1}, module_output_ndim={ENC: 2})
+        env["pipeline"] = {"communicator": comm, "pg_collection": pgc}
+    # the DP replicas of each module must start from the same weights (megatron builds only this rank's modules)
+    check = (module, sum(float(p.double().sum()) for p in model.parameters()))
+    every = gather(check)
+    assert all(c == every[ranks[0]] for ranks in env["modules"].values() for c in (every[r] for r in ranks)), \
+        f"DP replicas start from different weights: {every}"
+    log(f"model: {env['layout']}, rank 0 holds {sum(p.numel() for p in model.parameters())} parameters on {device}")
+    return env
+
+
 # ---- one training run ------------------------------------------------------------------------------
 
 class Run:
-    """One colocated training run: model reset to the initial weights, fresh Adam, fresh data pipeline."""
+    """One training run on env's layout: model reset to the initial weights, fresh Adam, fresh data
+    pipeline (this rank's share of every global micro-batch, through `wrap`).
 
-    def __init__(self, args, env, cfg: ReorderConfig, *, iters, state=None):
+    step() trains one iteration of --micro-batches micro-batches: colocated, forward and backward one
+    micro-batch after the other; non-colocated, megatron's 1F1B schedule across the bridge. The loss
+    of a micro-batch is its token-loss sum over the language DP group divided by its token count over
+    the group, so any split of the same samples over ranks gives the same loss up to summation order;
+    gradients are summed over each module's DP group. `losses` is the same list on every rank.
+
+    checksums=True records per-sample image-embedding sums, (sample id, sum) pairs: the encoder's
+    projected output per sample (`sums["encoder"]`, encoder ranks) and what the language model
+    received at that sample's placeholders (`sums["language"]`, language ranks).
+    tolerate_misrouting=True (the misaligned control) lets a language rank whose placeholder count
+    differs from the rows the bridge delivered go on (rows cut or zero-padded to the count, the micro-
+    batch counted in `misrouted`): megatron would raise there and leave the other ranks hanging."""
+
+    def __init__(self, args, env, cfg: ReorderConfig, *, iters, state=None, checksums=False,
+                 tolerate_misrouting=False):
         self.args, self.env, self.cfg = args, env, cfg
         model = env["model"]
         model.load_state_dict(env["init_state"])
@@ -280,46 +375,40 @@ class Run:
         for p in self.params:
             p.grad = torch.zeros_like(p)
         self.opt = torch.optim.Adam(self.params, lr=args.lr)
-        dp, rank = env["dp"], env["dp_rank"]
-        fields = rm.fields_to_load([ENC, LANG], 0, cfg)
+        fields = rm.fields_to_load(env["loads"], 0, cfg)
 
         def source(consumed_samples):  # this rank's micro-batches from `consumed_samples` on
-            sampler = CanonicalBatchSampler(len(env["ds"]), args.global_batch, data_parallel_size=dp,
-                                            data_parallel_rank=rank, grid_size=dp, dataloader_type="cyclic",
-                                            seed=args.seed, consumed_samples=consumed_samples)
+            sampler = CanonicalBatchSampler(len(env["ds"]), args.global_batch, data_parallel_size=env["dp"],
+                                            data_parallel_rank=env["dp_rank"], grid_size=env["groups"],
+                                            dataloader_type="cyclic", seed=args.seed,
+                                            consumed_samples=consumed_samples)
             return rank_source(env["ds"], sampler, fields, env["device"])
 
-        self.it = rm.wrap(source, config=cfg, module=LANG, grids=env["grids"], micro_batch_size=args.global_batch,
-                          fixed_width_padding=True, device=env["device"], timeout=datetime.timedelta(seconds=120))
+        self.it = rm.wrap(source, config=cfg, module=env["module"], grids=env["grids"],
+                          micro_batch_size=args.global_batch, fixed_width_padding=True, device=env["device"],
+                          timeout=datetime.timedelta(seconds=120))
         if state is not None:
             model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])
             self.it.load_state_dict(state["data"])  # the source is built from its consumed_samples
         self.iters = iters
         self.losses, self.ids, self.img_tokens = [], [], []
+        self.sums, self.misrouted, self.current, self._undo = {"encoder": [], "language": []}, 0, None, []
+        if checksums:
+            self._record_checksums()
+        if tolerate_misrouting:
+            self._tolerate_misrouting()
 
     def step(self):
-        args, env, model = self.args, self.env, self.env["model"]
         for p in self.params:
             p.grad.zero_()
-        total = 0.0
-        for _ in range(args.micro_batches):
-            mb = next(self.it)
-            self.ids.append(mb["sample_id"].tolist())
-            self.img_tokens.append(int((mb["input_ids"] == syn.IMAGE_TOKEN).sum()))
-            kw = model_inputs(mb)
-            out, loss_mask = model(**kw)
-            local = (out.float() * loss_mask).sum()
-            count = loss_mask.sum().detach()
-            dist.all_reduce(count, group=env["dp_group"])
-            (local / count / args.micro_batches).backward()
-            s = local.detach().clone()
-            dist.all_reduce(s, group=env["dp_group"])
-            total += float(s / count) / args.micro_batches
-        flat = torch._utils._flatten_dense_tensors([p.grad for p in self.params])
-        dist.all_reduce(flat, group=env["dp_group"])
-        for p, g in zip(self.params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in self.params])):
-            p.grad.copy_(g)
+        total = self._pipeline_iteration() if self.env["pipeline"] else self._colocated_iteration()
+        if self.env["dp"] > 1:
+            grads = [p.grad for p in self.params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.env["dp_group"])
+            for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(r)
         self.opt.step()
         self.losses.append(total)
         return total
@@ -336,6 +425,90 @@ class Run:
 
     def close(self):
         self.it.close()
+        for undo in self._undo:
+            undo()
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        """Megatron's forward_step_func: the next micro-batch through the model; (output, loss_func)."""
+        mb = next(data_iterator)
+        self.ids.append(mb["sample_id"].tolist())
+        self.img_tokens.append(int((mb["input_ids"] == syn.IMAGE_TOKEN).sum()))
+        self.current = mb  # the checksum hooks pair the outputs with its sample ids
+        out, loss_mask = model(**model_inputs(mb))
+        return out, functools.partial(self._loss, loss_mask)
+
+    def _loss(self, loss_mask, output_tensor):
+        """(this rank's token-loss sum / the micro-batch's token count over the language DP group,
+        {"loss": the micro-batch's mean token loss over the group}); the report is a fresh tensor since
+        the schedule divides the first in place."""
+        local = (output_tensor.float() * loss_mask).sum()
+        count = loss_mask.sum().detach()
+        dist.all_reduce(count, group=self.env["dp_group"])
+        s = local.detach().clone()
+        dist.all_reduce(s, group=self.env["dp_group"])
+        return local / count, {"loss": s / count}
+
+    def _colocated_iteration(self):
+        n, total = self.args.micro_batches, 0.0
+        for _ in range(n):
+            out, loss_func = self._forward_step(self.it, self.env["model"])
+            loss, report = loss_func(out)
+            (loss / n).backward()
+            total += float(report["loss"]) / n
+        return total
+
+    def _pipeline_iteration(self):
+        import megatron.core.pipeline_parallel.schedules as schedules
+
+        args, env = self.args, self.env
+        res = schedules.forward_backward_pipelining_without_interleaving(
+            forward_step_func=self._forward_step, data_iterator=self.it, model=[env["model"]],
+            num_microbatches=args.micro_batches, seq_length=args.seq_len, micro_batch_size=args.global_batch,
+            forward_only=False, p2p_communicator=env["pipeline"]["communicator"],
+            pg_collection=env["pipeline"]["pg_collection"])
+        # the reports exist on the language ranks (the last stage): every rank gets the first one's loss
+        total = torch.tensor([sum(float(r["loss"]) for r in res) / len(res) if res else 0.0], dtype=torch.float64)
+        dist.broadcast(total, src=env["modules"][LANG][0], group=env["gloo"])
+        return float(total)
+
+    # -- instrumentation -------------------------------------------------------------------------
+    def _record_checksums(self):
+        model, sums = self.env["model"], self.sums
+
+        def encoder_out(mod, inp, out):  # [image tokens of the micro-batch, H], samples in order
+            counts = (self.current["input_ids"] == syn.IMAGE_TOKEN).sum(1).tolist()
+            per = torch.split(out.detach().double().sum(-1), counts)
+            sums["encoder"].extend(zip(self.current["sample_id"].tolist(), [float(x.sum()) for x in per]))
+
+        def language_in(mod, args_, kwargs):  # decoder_input [S, B, H]: text and image embeddings merged
+            x = kwargs["decoder_input"].detach().double().transpose(0, 1)
+            img = self.current["input_ids"] == syn.IMAGE_TOKEN
+            sums["language"].extend(zip(self.current["sample_id"].tolist(),
+                                        [float(x[b][img[b]].sum()) for b in range(x.shape[0])]))
+
+        if ENC in model.modality_submodules:
+            self._undo.append(model.modality_submodules[ENC].input_projections[0]
+                              .register_forward_hook(encoder_out).remove)
+        if getattr(model, "language_model", None) is not None:
+            self._undo.append(model.language_model.register_forward_pre_hook(language_in, with_kwargs=True).remove)
+
+    def _tolerate_misrouting(self):
+        model = self.env["model"]
+        if getattr(model, "language_model", None) is None:
+            return
+        align = model.align_embeddings_by_token_positions
+
+        def tolerant(modality_embeddings, input_ids, special_token_ids):
+            rows, need = modality_embeddings.get(ENC), int((input_ids == special_token_ids[ENC]).sum())
+            if rows is not None and rows.shape[0] != need:
+                self.misrouted += 1
+                pad = rows.new_zeros(max(need - rows.shape[0], 0), rows.shape[1])
+                modality_embeddings = {**modality_embeddings, ENC: torch.cat([rows[:need], pad])}
+            return align(modality_embeddings, input_ids, special_token_ids)
+
+        model.align_embeddings_by_token_positions = tolerant  # an instance attribute shadows the method
+        self._undo.append(lambda: delattr(model, "align_embeddings_by_token_positions"))
 
 
 def reorder_cfg(on, *, window=1, overlap=True, weight=0.0, balancer=None):
@@ -357,37 +530,49 @@ def image_tokens_per_mb(run):
     return [[every[r][k] for r in range(len(every))] for k in range(len(run.img_tokens))]
 
 
+
 def expected_share(env, cfg, window_ids):
-    """Reference (spec) canonical order of one global micro-batch, as dataset indices."""
+    """Reference (spec) canonical order of one global micro-batch over the G groups, as dataset indices."""
     ds = env["ds"]
     costs = [ref.sample_cost(ds.tokens(i), ds.mask(i), image_token_id=syn.IMAGE_TOKEN, spatial_merge_size=2,
                              encoder_weight=cfg.encoder_weight, language_weight=cfg.language_weight)
              for i in window_ids]
     if cfg.balancer == "lpt":
-        order = ref.lpt_order(costs, env["dp"])
+        order = ref.lpt_order(costs, env["groups"])
     else:  # no slow reference for the other balancers: the library's own plan on the spec's costs
         from reorder.plan.balancers import get_balancer
-        order = get_balancer(cfg.balancer)(np.array(costs, dtype=np.float64), env["dp"]).tolist()
+        order = get_balancer(cfg.balancer)(np.array(costs, dtype=np.float64), env["groups"]).tolist()
     return [window_ids[i] for i in order]
 
 
+def module_orders(env, every_ids):
+    """{module: [micro-batch][position] sample ids}: each micro-batch's samples over the module's DP
+    ranks in rank order (every_ids: each rank's `Run.ids`, gathered)."""
+    return {m: [[i for r in ranks for i in every_ids[r][k]] for k in range(len(every_ids[ranks[0]]))]
+            for m, ranks in env["modules"].items()}
+
+
 def check_accounting(env, run, cfg, first_window=0):
-    """Every sample of every global micro-batch seen exactly once, on the rank the reference plan says."""
+    """Every sample of every global micro-batch seen exactly once in each module, and each module's
+    ranks holding, in rank order, the reference plan's canonical order (reorder on) or the natural order
+    (off): every rank got its share of the plan."""
     every = gather(run.ids)
     if dist.get_rank():
         return {}
-    dp, B = env["dp"], run.args.global_batch
-    ref_sampler = CanonicalBatchSampler(len(env["ds"]), B, data_parallel_size=1, data_parallel_rank=0, grid_size=dp,
-                                        dataloader_type="cyclic", seed=run.args.seed)
+    B = run.args.global_batch
+    ref_sampler = CanonicalBatchSampler(len(env["ds"]), B, data_parallel_size=1, data_parallel_rank=0,
+                                        grid_size=env["groups"], dataloader_type="cyclic", seed=run.args.seed)
+    orders = module_orders(env, every)
     n = len(run.ids)
     for k in range(n):
         want = ref_sampler.global_micro_batch(first_window + k)
-        got = [i for r in range(dp) for i in every[r][k]]
-        if sorted(got) != sorted(want) or len(set(got)) != B:
-            raise AssertionError(f"micro-batch {k}: samples {got} != global micro-batch {want}")
-        if cfg.enabled and got != expected_share(env, cfg, want):
-            raise AssertionError(f"micro-batch {k}: ranks hold {got}, reference plan {expected_share(env, cfg, want)}")
-    return {"micro_batches": n, "samples": n * B}
+        plan = expected_share(env, cfg, want) if cfg.enabled else want
+        for module, got in orders.items():
+            if sorted(got[k]) != sorted(want) or len(set(got[k])) != B:
+                raise AssertionError(f"{module} micro-batch {k}: samples {got[k]} != global micro-batch {want}")
+            if got[k] != plan:
+                raise AssertionError(f"{module} micro-batch {k}: ranks hold {got[k]}, reference plan {plan}")
+    return {"micro_batches": n, "samples": n * B, "modules": list(orders)}
 
 
 # ---- tests -----------------------------------------------------------------------------------------
@@ -418,9 +603,13 @@ def test_parity(args, env):
             "losses_off": off.losses, "losses_on": on.losses, "accounting_on": acc, "accounting_off": acc_off}
 
 
-def test_resume(args, env):
+
+def test_resume(args, env, cfg=None):
+    """Checkpoint after --resume-at iterations, resume in fresh objects: the next --iters losses must
+    equal the continuous run's bit for bit (cfg: reorder on, W and overlap from the first --windows and
+    --overlaps, unless given)."""
     k, n = args.resume_at, args.iters
-    cfg = reorder_cfg(True, window=args.windows[0], overlap=args.overlaps[0])
+    cfg = cfg or reorder_cfg(True, window=args.windows[0], overlap=args.overlaps[0])
     cont = Run(args, env, cfg, iters=k + n).train()
     cont.close()
     first = Run(args, env, cfg, iters=k).train()
@@ -438,8 +627,9 @@ def test_resume(args, env):
     if dist.get_rank():
         return {}
     exact = resumed.losses == cont.losses[k:]
-    return {"test": "resume", "ok": bool(exact), "window": cfg.window_size, "overlap": cfg.overlap,
-            "checkpoint_at": k, "consumed_samples": state["data"]["consumed_samples"],
+    return {"test": "resume", "ok": bool(exact), "layout": env["layout"], "window": cfg.window_size,
+            "overlap": cfg.overlap, "balancer": cfg.balancer, "checkpoint_at": k,
+            "consumed_samples": state["data"]["consumed_samples"],
             "epoch_at_resume": state["data"]["consumed_samples"] // (len(env["ds"]) // args.global_batch
                                                                      * args.global_batch),
             "continuous": cont.losses[k:], "resumed": resumed.losses,
@@ -487,163 +677,80 @@ def test_soak(args, env):
         return {}
     ok = all(r["iters"] >= args.iters and r["finite"] and not r["thread_alive_after_close"] for r in results)
     cdmc = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    out = {"test": "soak", "ok": ok, "cdmc": cdmc, "combos": results, "total_iters": sum(r["iters"] for r in results)}
+    out = {"test": "soak", "ok": ok, "layout": env["layout"], "cdmc": cdmc, "combos": results,
+           "total_iters": sum(r["iters"] for r in results)}
     if cdmc == "1" and args.device == "cuda":
         out["overlap_refused"] = refused
         out["ok"] = ok and refused is not None
     return out
 
 
-def test_noncoloc(args):
-    """Encoder rank 0, language rank 1, real 1F1B schedule through MultiModulePipelineCommunicator."""
-    import megatron.core.pipeline_parallel.schedules as schedule
-    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
-    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 
-    cpu = args.device == "cpu"
-    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
-    backend = "gloo" if cpu else "nccl"
-    enc_grid, lang_grid = make_comm_grid(0, 1, backend), make_comm_grid(1, 1, backend)
-    embd = embedding_groups([enc_grid, lang_grid])
-    model = build_model(args, enc_grid, lang_grid, embd, device)
-    init = copy.deepcopy(model.state_dict())
-    me = dist.get_rank()
-    module = ENC if me == 0 else LANG
-    grids = {ENC: enc_grid, LANG: lang_grid}
-    pgs = {module: pg_collection(enc_grid if me == 0 else lang_grid, embd)}
-    pgc = MultiModuleProcessGroupCollection(module_pgs=pgs, language_model_module_name=LANG if me == 1 else None)
-    comm = MultiModulePipelineCommunicator(grids, {ENC: [LANG], LANG: []}, model.config,
-                                           dim_mapping={"s": 0, "h": 2, "b": 1}, module_output_ndim={ENC: 2})
-    ds = Dataset(4096, args.seq_len, args.features, args.mix, args.scale, args.seed)
-    B = args.global_batch  # dp 1 per module: each rank reads the whole global micro-batch
-
-    def run(on, iters):
-        """on: reorder on both ranks (bool), or (encoder rank, language rank) for the misaligned control."""
-        on = on[me] if isinstance(on, tuple) else on
-        model.load_state_dict(init)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.Adam(params, lr=args.lr)
-        # grid 1: "balanced" keeps the natural order (nothing to balance); lpt permutes, exercising the bridge
-        cfg = reorder_cfg(on, window=2, overlap=True, weight=0.0, balancer="lpt")
-        sampler = CanonicalBatchSampler(len(ds), B, data_parallel_size=1, data_parallel_rank=0, grid_size=1,
-                                        dataloader_type="cyclic", seed=args.seed)
-        fields = rm.fields_to_load(module, 0, cfg)
-        it = rm.wrap(rank_source(ds, sampler, fields, device), config=cfg, module=module, grids=grids,
-                     micro_batch_size=B, fixed_width_padding=True, device=device)
-        seen, losses, sums, current = [], [], [], {}
-
-        def step_func(data_iterator, mdl):
-            mb = next(data_iterator)
-            seen.append(mb["sample_id"].tolist())
-            current["ids"], current["input_ids"] = mb["sample_id"].tolist(), mb["input_ids"]
-            kw = model_inputs(mb)
-            out, loss_mask = mdl(**kw)
-
-            def loss_func(loss_mask, output_tensor):
-                if isinstance(output_tensor, dict) or output_tensor is None:
-                    return torch.tensor(0.0, device=device, requires_grad=True), {}
-                s = (output_tensor.float() * loss_mask).sum()
-                c = loss_mask.sum()
-                return s / c, {"loss": (s / c).detach().clone()}  # the schedule divides the first in place
-            return out, lambda t: loss_func(loss_mask, t)
-
-        # per-sample checksums of the image embeddings: what the encoder produced for sample i (rank 0) and
-        # what the language model received at sample i's placeholders after the bridge (rank 1)
-        def enc_hook(mod, inp, out):
-            counts = (current["input_ids"] == syn.IMAGE_TOKEN).sum(1).tolist()
-            per = torch.split(out.detach().double().sum(-1), counts)
-            sums.extend(zip(current["ids"], [float(x.sum()) for x in per]))
-
-        def lang_hook(mod, args_, kwargs):
-            x = kwargs["decoder_input"].detach().double().transpose(0, 1)  # [B, S, H]
-            img = current["input_ids"] == syn.IMAGE_TOKEN
-            sums.extend(zip(current["ids"], [float(x[b][img[b]].sum()) for b in range(x.shape[0])]))
-
-        hook = (model.modality_submodules[ENC].input_projections[0].register_forward_hook(enc_hook) if me == 0 else
-                model.language_model.register_forward_pre_hook(lang_hook, with_kwargs=True))
-
-        for _ in range(iters):
-            opt.zero_grad()
-            for p in params:
-                p.grad = None
-            res = schedule.forward_backward_pipelining_without_interleaving(
-                forward_step_func=step_func, data_iterator=it, model=[model], num_microbatches=args.micro_batches,
-                seq_length=args.seq_len, micro_batch_size=B, forward_only=False, p2p_communicator=comm,
-                pg_collection=pgc)
-            opt.step()
-            if me == 1:
-                losses.append(float(sum(float(r["loss"]) for r in res) / len(res)))
-        hook.remove()
-        if hasattr(it, "close"):
-            it.close()
-        return losses, seen, sums
-
-    off_l, off_seen, off_sums = run(False, args.iters)
-    on_l, on_seen, on_sums = run(True, args.iters)
-    bad_l, _, bad_sums = run((False, True), 1)  # control: only the language rank reorders
-    every = gather({"off": off_seen, "on": on_seen, "losses_off": off_l, "losses_on": on_l, "bad": bad_l,
-                    "sums": {"off": off_sums, "on": on_sums, "bad": bad_sums}})
-    if me:
+def test_noncoloc(args, env):
+    """Non-colocated layout (`setup`: encoder dp E on the first ranks, language dp L after them), the real
+    1F1B schedule across BridgeCommunicator, reorder off vs on (lpt, W 2, overlap; with G = 1 the default
+    balancer keeps the natural order, lpt permutes):
+    - per-sample image-embedding checksums, encoder output vs language input: 0 mismatches off and on;
+      a control run where only the language ranks reorder (the encoder ranks plan with the identity
+      balancer, so they keep the natural order yet join wrap's world-wide group creation) must show
+      mismatches;
+    - both modules hold every micro-batch in the reference plan's order (`check_accounting`), so the
+      encoder's and the language model's orders agree;
+    - the loss curves of off and on agree within --first-tolerance / --tolerance;
+    - a bit-identical resume with reorder on (`test_resume`)."""
+    on_cfg = reorder_cfg(True, window=2, overlap=True, balancer="lpt")
+    off_cfg = reorder_cfg(False)
+    ctrl_cfg = on_cfg if env["module"] == LANG else reorder_cfg(True, window=2, overlap=True, balancer="identity")
+    runs = {}
+    for name, cfg, iters in (("off", off_cfg, args.iters), ("on", on_cfg, args.iters), ("bad", ctrl_cfg, 1)):
+        runs[name] = Run(args, env, cfg, iters=iters, checksums=True, tolerate_misrouting=name == "bad").train()
+        runs[name].close()
+    acc = {"on": check_accounting(env, runs["on"], on_cfg), "off": check_accounting(env, runs["off"], off_cfg)}
+    resume = test_resume(args, env, on_cfg)
+    every = gather({name: {"ids": r.ids, "sums": r.sums, "misrouted": r.misrouted} for name, r in runs.items()})
+    if dist.get_rank():
         return {}
 
-    def mismatches(key):  # samples whose image embeddings on the language rank are not the encoder's for it
-        enc, lang = every[0]["sums"][key], every[1]["sums"][key]
-        assert len(enc) == len(lang), (key, len(enc), len(lang))
-        return sum(e != la for e, la in zip(sorted(enc), sorted(lang))), len(enc)
+    def mismatches(name):  # samples whose image embeddings on the language side are not the encoder's for them
+        enc = sorted(s for r in env["modules"][ENC] for s in every[r][name]["sums"]["encoder"])
+        lang = sorted(s for r in env["modules"][LANG] for s in every[r][name]["sums"]["language"])
+        assert len(enc) == len(lang), (name, len(enc), len(lang))
+        return sum(e != la for e, la in zip(enc, lang)), len(enc)
 
-    paired = {k: mismatches(k) for k in ("off", "on", "bad")}
-    control = abs(every[1]["bad"][0] - every[1]["losses_off"][0]) / abs(every[1]["losses_off"][0])
-    aligned = every[0]["on"] == every[1]["on"] and every[0]["off"] == every[1]["off"]
-    permuted = sum(a != b for a, b in zip(every[0]["on"], every[0]["off"]))
-    lo, ln = every[1]["losses_off"], every[1]["losses_on"]
+    paired = {name: mismatches(name) for name in runs}
+    orders = {name: module_orders(env, [e[name]["ids"] for e in every]) for name in runs}
+    aligned = all(orders[name][ENC] == orders[name][LANG] for name in ("off", "on"))
+    permuted = sum(a != b for a, b in zip(orders["on"][ENC], orders["off"][ENC]))
+    lo, ln, bad = runs["off"].losses, runs["on"].losses, runs["bad"].losses
     d1 = abs(lo[0] - ln[0])
     rel = max(abs(a - b) / abs(a) for a, b in zip(lo, ln))
     ok = aligned and permuted > 0 and d1 <= args.first_tolerance * abs(lo[0]) and rel <= args.tolerance \
-        and paired["off"][0] == 0 and paired["on"][0] == 0 and paired["bad"][0] > 0
-    return {"test": "noncoloc", "ok": bool(ok), "iters": args.iters, "encoder_and_language_order_equal": aligned,
+        and paired["off"][0] == 0 and paired["on"][0] == 0 and paired["bad"][0] > 0 and resume["ok"]
+    return {"test": args.test, "ok": bool(ok), "layout": env["layout"], "encoder_dp": len(env["modules"][ENC]),
+            "language_dp": len(env["modules"][LANG]), "groups": env["groups"], "iters": args.iters,
+            "encoder_and_language_order_equal": aligned,
             "image_embedding_mismatches": {k: f"{v[0]}/{v[1]} samples" for k, v in paired.items()},
-            "misaligned_control_rel_diff": control,
-            "micro_batches_permuted": permuted, "of": len(every[0]["on"]), "loss1_off": lo[0], "loss1_on": ln[0],
-            "loss1_abs_diff": d1, "max_rel_diff": rel, "losses_off": lo, "losses_on": ln}
+            "misaligned_control_rel_diff": abs(bad[0] - lo[0]) / abs(lo[0]),
+            "misaligned_control_misrouted_micro_batches": sum(e["bad"]["misrouted"] for e in every),
+            "micro_batches_permuted": permuted, "of": len(orders["on"][ENC]), "loss1_off": lo[0], "loss1_on": ln[0],
+            "loss1_abs_diff": d1, "max_rel_diff": rel, "losses_off": lo, "losses_on": ln, "accounting": acc,
+            "resume": resume}
 
 
 # ---- main ------------------------------------------------------------------------------------------
 
-def setup(args):
-    cpu = args.device == "cpu"
-    if cpu:
-        cpu_shims()
-        device = torch.device("cpu")
-    else:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        device = torch.device("cuda", torch.cuda.current_device())  # init_torchrun's rank_device
-        parallel_state._set_global_memory_buffer()
-        model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
-    world = dist.get_world_size()
-    backend = "gloo" if cpu else "nccl"
-    enc_grid = make_comm_grid(0, world, backend)
-    lang_grid = make_comm_grid(0, world, backend)
-    embd = embedding_groups([enc_grid])
-    model = build_model(args, enc_grid, lang_grid, embd, device)
-    env = {"model": model, "init_state": copy.deepcopy(model.state_dict()), "device": device, "dp": world,
-           "dp_rank": dist.get_rank(), "grids": {ENC: enc_grid, LANG: lang_grid},
-           "dp_group": lang_grid.get_pg("dp"), "gloo": dist.new_group(backend="gloo"),
-           "ds": Dataset(args.dataset, args.seq_len, args.features, args.mix, args.scale, args.seed),
-           "tmp": tempfile.mkdtemp(prefix="mimo_suite_")}
-    check = torch.tensor([sum(float(p.double().sum()) for p in model.parameters())], dtype=torch.float64)
-    every = [torch.zeros_like(check) for _ in range(world)]
-    dist.all_gather(every, check, group=env["gloo"])
-    assert all(torch.equal(e, check) for e in every), "DP replicas start from different weights"
-    log(f"model: {sum(p.numel() for p in model.parameters())} parameters on {device}, world {world}")
-    return env
+LAYOUT_DEFAULTS = {"noncoloc": (1, 1), "hetero": (2, 4)}  # (encoder dp, language dp) when not given
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("test", choices=["parity", "resume", "soak", "noncoloc"])
+    p.add_argument("test", choices=["parity", "resume", "soak", "noncoloc", "hetero"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--encoder-dp", type=int, default=None,
+                   help="non-colocated layout: the encoder on the first E ranks with DP E (noncoloc: 1, hetero: 2)")
+    p.add_argument("--language-dp", type=int, default=None,
+                   help="non-colocated layout: the language model on the next L ranks with DP L, a multiple of E "
+                        "(noncoloc: 1, hetero: 4)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per iteration")
     p.add_argument("--global-batch", type=int, default=8)
@@ -665,83 +772,106 @@ def parse(argv=None):
     p.add_argument("--weights", type=float, nargs="+", default=[0.0, 0.5])
     p.add_argument("--combo-seconds", type=float, default=1e9, help="soak: stop a combo after this long")
     p.add_argument("--json", default=None, help="rank 0 writes its result here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.test in LAYOUT_DEFAULTS:
+        e, l = LAYOUT_DEFAULTS[args.test]
+        args.encoder_dp = e if args.encoder_dp is None else args.encoder_dp
+        args.language_dp = l if args.language_dp is None else args.language_dp
+    if (args.encoder_dp is None) != (args.language_dp is None):
+        p.error("give both --encoder-dp and --language-dp (a non-colocated layout), or neither (colocated)")
+    if args.encoder_dp is not None:
+        if args.test == "parity":
+            p.error("parity is colocated; noncoloc / hetero are the non-colocated layout's parity test")
+        if min(args.encoder_dp, args.language_dp) < 1 or args.language_dp % args.encoder_dp:
+            p.error(f"--language-dp {args.language_dp} must be a multiple of --encoder-dp {args.encoder_dp} (fan-out)")
+        if args.global_batch % args.language_dp:
+            p.error(f"--global-batch {args.global_batch} must be a multiple of G = --language-dp {args.language_dp}")
+    return args
 
 
 def summarize(folder) -> int:
-    """Print the suite summary from the jobs' JSON results (ci/gpu_mimo.sh); returns the exit status."""
-    import glob
-
-    def load(name):
-        path = os.path.join(folder, name + ".json")
-        return json.load(open(path)) if os.path.exists(path) else None
-
-    lines, bad = [], []
+    """Print the suite summary from the jobs' JSON results (ci/gpu_mimo.sh); returns the exit status.
+    The jobs are those rc.txt lists (name rc=N seconds); a job fails without a JSON result, with a
+    result whose ok is false, or with a non-zero exit status."""
+    lines, bad, soak_total = [], [], 0
     for f in ("versions.txt", "rc.txt"):
         path = os.path.join(folder, f)
         if os.path.exists(path):
             lines += [f"# {f}"] + ["  " + x.rstrip() for x in open(path) if x.strip()]
+    rcs = {}
+    if os.path.exists(os.path.join(folder, "rc.txt")):
+        for x in open(os.path.join(folder, "rc.txt")):
+            if x.strip():
+                name, rc = x.split()[:2]
+                rcs[name] = int(rc.split("=")[1])
     fmt = lambda xs: "[" + ", ".join(f"{x:.6f}" for x in xs) + "]"  # noqa: E731
-    r = load("parity")
-    if r is None:
-        bad.append("parity: no result")
-    else:
-        lines += [f"{'PASS' if r['ok'] else 'FAIL'} parity (colocated dp 2, {r['iters']} iterations x "
-                  f"{r['micro_batches_per_iter']} micro-batches, reorder off vs on W 2 overlap)",
-                  f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| {r['loss1_abs_diff']:.3e} "
-                  f"(relative {r['loss1_rel_diff']:.3e}, limit {r['first_tolerance_rel']:.0e})",
-                  f"  loss curves: max |diff| {r['max_abs_diff']:.3e}, max relative {r['max_rel_diff']:.3e} "
-                  f"(limit {r['tolerance_rel']:.0e})",
-                  f"  per-micro-batch image-token sums over ranks identical: {r['image_token_sums_equal']}; first "
-                  f"micro-batch per rank off {r['image_tokens_first_mb_off']} on {r['image_tokens_first_mb_on']}; "
-                  f"mean max/mean spread {r['image_token_spread_off']:.3f} -> {r['image_token_spread_on']:.3f}",
-                  f"  accounting: on {r['accounting_on']}, off {r['accounting_off']}",
-                  f"  losses off {fmt(r['losses_off'])}", f"  losses on  {fmt(r['losses_on'])}"]
-        bad += [] if r["ok"] else ["parity"]
-    r = load("resume")
-    if r is None:
-        bad.append("resume: no result")
-    else:
-        lines += [f"{'PASS' if r['ok'] else 'FAIL'} resume (reorder on W {r['window']} overlap {r['overlap']}): checkpoint "
-                  f"at iteration {r['checkpoint_at']} (consumed_samples {r['consumed_samples']}, epoch "
-                  f"{r['epoch_at_resume']}), next {len(r['resumed'])} losses bit-identical: {r['ok']} "
-                  f"(max |diff| {r['max_abs_diff']:.1e})",
-                  f"  continuous {fmt(r['continuous'])}", f"  resumed    {fmt(r['resumed'])}",
-                  f"  accounting {r['accounting']}"]
-        bad += [] if r["ok"] else ["resume"]
-    r = load("noncoloc")
-    if r is None:
-        lines.append("FAIL noncoloc: no result (see its log)")
-        bad.append("noncoloc")
-    else:
-        lines += [f"{'PASS' if r['ok'] else 'FAIL'} noncoloc (encoder rank 0 + language rank 1, grid 1, 1F1B schedule "
-                  f"through BridgeCommunicator, {r['iters']} iterations)",
-                  f"  encoder and language ranks saw the same sample order: {r['encoder_and_language_order_equal']}; "
-                  f"{r['micro_batches_permuted']}/{r['of']} micro-batches permuted",
-                  f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| {r['loss1_abs_diff']:.3e}; "
-                  f"max relative over {r['iters']} iterations {r['max_rel_diff']:.3e}",
-                  f"  per-sample image-embedding checksums, encoder output vs language input after the bridge: "
-                  f"mismatches {r['image_embedding_mismatches']} (off/on must be 0)",
-                  f"  control (only the language rank reorders, 1 iteration): mismatches "
-                  f"{r['image_embedding_mismatches']['bad']}, iteration-1 loss off by {r['misaligned_control_rel_diff']:.3e} "
-                  f"relative"]
-        bad += [] if r["ok"] else ["noncoloc"]
-    total = 0
-    for path in sorted(glob.glob(os.path.join(folder, "soak_*.json"))):
-        name = os.path.basename(path)[:-5]
+
+    def resume_lines(head, r, indent=""):
+        return [f"{indent}{head} ({r['layout']}, reorder on "
+                f"{r.get('balancer', 'balanced')} W {r['window']} overlap {r['overlap']}): checkpoint at iteration "
+                f"{r['checkpoint_at']} (consumed_samples {r['consumed_samples']}, epoch {r['epoch_at_resume']}), next "
+                f"{len(r['resumed'])} losses bit-identical: {r['ok']} (max |diff| {r['max_abs_diff']:.1e})",
+                f"{indent}  continuous {fmt(r['continuous'])}", f"{indent}  resumed    {fmt(r['resumed'])}",
+                f"{indent}  accounting {r['accounting']}"]
+
+    kinds = ["parity", "resume", "noncoloc", "hetero", "soak"]
+    for name in sorted(rcs, key=lambda n: (next((i for i, k in enumerate(kinds) if n.startswith(k)), len(kinds)), n)):
+        path = os.path.join(folder, name + ".json")
+        if not os.path.exists(path):
+            lines.append(f"FAIL {name}: no result, exit status {rcs[name]} (see its log)")
+            bad.append(name)
+            continue
         r = json.load(open(path))
-        head = f"{'PASS' if r['ok'] else 'FAIL'} {name} (CUDA_DEVICE_MAX_CONNECTIONS={r['cdmc']})"
-        if "overlap_refused" in r:
-            head += f"; overlap refused: {bool(r['overlap_refused'])}"
-        lines.append(head)
-        for c in r["combos"]:
-            total += c["iters"]
-            lines.append(f"  W {c['window']} overlap {c['overlap']!s:5} weight {c['language_weight']}: {c['iters']} iterations "
-                         f"({c['ms_per_iter']} ms/iter), {c.get('samples', '?')} samples accounted exactly, moved "
-                         f"{c.get('moved_frac', '-')}, spread {c.get('spread_before', '-')} -> {c.get('spread_after', '-')}, "
-                         f"last loss {c['last_loss']:.4f}")
-        bad += [] if r["ok"] else [name]
-    lines.append(f"soak total: {total} iterations")
+        ok = r["ok"] and rcs[name] == 0
+        bad += [] if ok else [name]
+        head = "PASS" if ok else "FAIL"
+        if r["test"] == "parity":
+            lines += [f"{head} {name} (colocated dp 2, {r['iters']} iterations x {r['micro_batches_per_iter']} "
+                      f"micro-batches, reorder off vs on W 2 overlap)",
+                      f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| "
+                      f"{r['loss1_abs_diff']:.3e} (relative {r['loss1_rel_diff']:.3e}, limit "
+                      f"{r['first_tolerance_rel']:.0e})",
+                      f"  loss curves: max |diff| {r['max_abs_diff']:.3e}, max relative {r['max_rel_diff']:.3e} "
+                      f"(limit {r['tolerance_rel']:.0e})",
+                      f"  per-micro-batch image-token sums over ranks identical: {r['image_token_sums_equal']}; first "
+                      f"micro-batch per rank off {r['image_tokens_first_mb_off']} on {r['image_tokens_first_mb_on']}; "
+                      f"mean max/mean spread {r['image_token_spread_off']:.3f} -> {r['image_token_spread_on']:.3f}",
+                      f"  accounting: on {r['accounting_on']}, off {r['accounting_off']}",
+                      f"  losses off {fmt(r['losses_off'])}", f"  losses on  {fmt(r['losses_on'])}"]
+        elif r["test"] == "resume":
+            lines += resume_lines(f"{head} {name}", r)
+        elif r["test"] in LAYOUT_DEFAULTS:
+            lines += [f"{head} {name} ({r['layout']}, G {r['groups']}, 1F1B schedule through BridgeCommunicator, "
+                      f"{r['iters']} iterations)",
+                      f"  both modules hold every micro-batch in the reference plan's order (accounting on "
+                      f"{r['accounting']['on']}); encoder and language orders equal: "
+                      f"{r['encoder_and_language_order_equal']}; {r['micro_batches_permuted']}/{r['of']} micro-batches "
+                      f"permuted",
+                      f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| "
+                      f"{r['loss1_abs_diff']:.3e}; "
+                      f"max relative over {r['iters']} iterations {r['max_rel_diff']:.3e}",
+                      f"  per-sample image-embedding checksums, encoder output vs language input after the bridge: "
+                      f"mismatches {r['image_embedding_mismatches']} (off/on must be 0)",
+                      f"  control (only the language ranks reorder, 1 iteration): mismatches "
+                      f"{r['image_embedding_mismatches']['bad']}, {r['misaligned_control_misrouted_micro_batches']} "
+                      f"language micro-batches got another row count than their placeholders, iteration-1 loss off by "
+                      f"{r['misaligned_control_rel_diff']:.3e} relative"]
+            lines += resume_lines("PASS resume" if r["resume"]["ok"] else "FAIL resume", r["resume"], "  ")
+        elif r["test"] == "soak":
+            head = f"{head} {name} ({r['layout']}, CUDA_DEVICE_MAX_CONNECTIONS={r['cdmc']})"
+            if "overlap_refused" in r:
+                head += f"; overlap refused: {bool(r['overlap_refused'])}"
+            lines.append(head)
+            for c in r["combos"]:
+                soak_total += c["iters"]
+                lines.append(f"  W {c['window']} overlap {c['overlap']!s:5} weight {c['language_weight']}: "
+                             f"{c['iters']} "
+                             f"iterations ({c['ms_per_iter']} ms/iter), {c.get('samples', '?')} samples accounted "
+                             f"exactly, moved {c.get('moved_frac', '-')}, spread {c.get('spread_before', '-')} -> "
+                             f"{c.get('spread_after', '-')}, last loss {c['last_loss']:.4f}")
+    lines.append(f"soak total: {soak_total} iterations")
+    if not rcs:
+        bad.append("no jobs (rc.txt missing or empty)")
     lines.append("RESULT " + ("all passed" if not bad else "failed: " + ", ".join(bad)))
     print("\n".join(lines))
     return 1 if bad else 0
@@ -757,19 +887,10 @@ def main(argv=None):
     init_torchrun(cuda=args.device == "cuda")
     t0 = time.time()
     try:
-        if args.test == "noncoloc":
-            if args.device == "cpu":
-                cpu_shims()
-            else:
-                from megatron.core import parallel_state
-                from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-                parallel_state._set_global_memory_buffer()
-                model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0)
-            result = test_noncoloc(args)
-        else:
-            env = setup(args)
-            result = {"parity": test_parity, "resume": test_resume, "soak": test_soak}[args.test](args, env)
+        env = setup(args)
+        test = {"parity": test_parity, "resume": test_resume, "soak": test_soak, "noncoloc": test_noncoloc,
+                "hetero": test_noncoloc}[args.test]
+        result = test(args, env)
         if dist.get_rank() == 0:
             result["seconds"] = round(time.time() - t0, 1)
             print("RESULT", json.dumps(result), flush=True)
