@@ -123,13 +123,16 @@ def main():
             counts = torch.tensor([send_bytes], dtype=torch.int64)
             allc = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
             dist.all_gather(allc, counts, group=groups.main.meta_group)
-            # bare a2a of exactly the moved bytes: this rank sends all to its peer (dp 2)
-            recv_bytes = int(allc[1 - me]) if world == 2 else 0
-            send = torch.randint(0, 255, (send_bytes,), dtype=torch.uint8, device=dev)
-            recv = torch.empty(recv_bytes, dtype=torch.uint8, device=dev)
-            ins = [0] * world
-            outs = [0] * world
-            ins[1 - me], outs[1 - me] = send_bytes, recv_bytes
+            # bare a2a of about the moved bytes: at dp 2 exactly this rank's send to its peer; beyond,
+            # the largest rank's send spread evenly over its peers, from every rank (sizes must pair up)
+            if world == 2:
+                ins = [send_bytes if q != me else 0 for q in range(world)]
+                outs = [int(allc[q]) if q != me else 0 for q in range(world)]
+            else:
+                chunk = -(-max(int(c) for c in allc) // (world - 1))
+                ins = outs = [chunk if q != me else 0 for q in range(world)]
+            send = torch.randint(0, 255, (sum(ins),), dtype=torch.uint8, device=dev)
+            recv = torch.empty(sum(outs), dtype=torch.uint8, device=dev)
 
             def bare():
                 dist.all_to_all_single(recv, send, outs, ins, group=groups.main.data_group)
