@@ -186,11 +186,25 @@ def select_fields(batch: Mapping, fields) -> dict:
 def check_layout(grids: Mapping, *, pp_sizes: Mapping | None = None, fixed_width_padding,
                  language_module: str = LANGUAGE) -> dict:
     """Validate a module layout for reorder (identical on every rank, so every rank raises together);
-    returns {module: DP groups}. Encoder PP comes from each encoder grid's 'pp' dim, or `pp_sizes`."""
+    returns {module: DP groups}. Encoder PP comes from each encoder grid's 'pp' dim, or `pp_sizes`.
+
+    Besides reorder's own limits (`check_model_layout`), refuses what megatron-core's MIMO (0.19.2)
+    cannot run, before any process group exists: context parallelism (its bridges assert CP 1),
+    modules that share some ranks but not all (MimoModel is either colocated or non-colocated),
+    colocated modules with different DP groups (ColocatedBridgeCommunicator splits image rows by
+    equal counts) and a colocated pipeline-parallel language model (colocated MIMO runs PP 1)."""
     dp_groups = module_dp_groups(grids)
     if language_module not in dp_groups:
         raise ValueError(f"grids has no {language_module!r} module (modules: {list(dp_groups)}): reorder plans "
                          f"against the language model's DP size")
+    for name, comm_grid in grids.items():
+        cp = grid_dim(comm_grid, "cp") if _is_comm_grid(comm_grid) else 1
+        if cp > 1:
+            raise ValueError(f"module {name!r} has context-parallel size {cp}: megatron-core's MIMO bridges "
+                             f"(BridgeCommunicator between modules, ColocatedBridgeCommunicator within ranks) "
+                             f"require CP 1, so the model cannot run; set the {name!r} grid's 'cp' dim to 1 "
+                             f"(use TP or PP for the language model instead)")
+    _check_colocation(grids, dp_groups, pp_sizes or {}, language_module)
     dl = len(dp_groups[language_module][0])
     pp_sizes = dict(pp_sizes or {})
     encoders = [m for m in dp_groups if m != language_module]
@@ -202,6 +216,50 @@ def check_layout(grids: Mapping, *, pp_sizes: Mapping | None = None, fixed_width
         check_model_layout(encoder_pp=pp, encoder_dp=len(dp_groups[name][0]), language_dp=dl,
                            fixed_width_padding=fixed_width_padding)
     return dp_groups
+
+
+def _module_ranks(dp_groups: list) -> list:
+    return sorted(r for g in dp_groups for r in g)
+
+
+def _check_colocation(grids: Mapping, dp_groups: dict, pp_sizes: Mapping, language_module: str) -> None:
+    """Modules either share all their ranks (colocated: then the same DP groups, language PP 1) or none."""
+    names = list(dp_groups)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ra, rb = _module_ranks(dp_groups[a]), _module_ranks(dp_groups[b])
+            shared = sorted(set(ra) & set(rb))
+            if not shared:
+                continue
+            if ra != rb:
+                raise ValueError(f"modules {a!r} (ranks {_span(ra)}) and {b!r} (ranks {_span(rb)}) share ranks "
+                                 f"{_span(shared)} but not all of them: megatron-core's MimoModel runs either "
+                                 f"colocated (every module on the same ranks) or non-colocated (disjoint ranks); "
+                                 f"give both modules the same ranks or disjoint ones")
+            if sorted(map(sorted, dp_groups[a])) != sorted(map(sorted, dp_groups[b])):
+                raise ValueError(f"colocated modules {a!r} and {b!r} have different DP groups ({a!r}: "
+                                 f"{dp_groups[a]}, {b!r}: {dp_groups[b]}): megatron-core's "
+                                 f"ColocatedBridgeCommunicator splits the encoder's image-token rows into equal "
+                                 f"shares per DP rank (it assumes one token count per sample), so variable image "
+                                 f"sizes would reach other samples' placeholders, and each rank would need one "
+                                 f"micro-batch stream per module; give the encoder the language model's TP and DP "
+                                 f"sizes, or place it on its own ranks")
+            for name in (a, b):
+                comm_grid = grids[name]
+                pp = pp_sizes.get(name, grid_dim(comm_grid, "pp") if _is_comm_grid(comm_grid) else 1)
+                if name == language_module and pp > 1:
+                    raise ValueError(f"module {name!r} has pipeline-parallel size {pp} colocated with "
+                                     f"{(set((a, b)) - {name}).pop()!r}: megatron-core's colocated MimoModel runs "
+                                     f"every module on every rank with PP 1 (ColocatedBridgeCommunicator requires "
+                                     f"PP 1); place the encoder on its own ranks (non-colocated) to pipeline the "
+                                     f"language model")
+
+
+def _span(ranks: list) -> str:
+    """'0..3' for consecutive ranks, else the list."""
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}..{ranks[-1]}"
+    return str(ranks)
 
 
 def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size: int | None = None,
@@ -232,8 +290,9 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
     log_every: every N windows, log a metrics line to the logger "reorder" (INFO) naming the module
       and the DP rank, from DP rank 0 of each module (every rank with log_all_ranks).
 
-    Rejects encoder PP > 1, encoder dp > language dp, language dp not a multiple of encoder dp,
-    no fixed-width padding, and a colocated rank whose modules have different DP groups.
+    Rejects (`check_layout`) encoder PP > 1, encoder dp > language dp, language dp not a multiple of
+    encoder dp, no fixed-width padding, context parallelism, modules sharing only some ranks, colocated
+    modules with different DP groups, and a colocated language model with PP > 1.
     """
     micro_batch_size = _micro_batch_size(micro_batch_size, global_batch)
     cfg = config if isinstance(config, ReorderConfig) else ReorderConfig.from_object(config)

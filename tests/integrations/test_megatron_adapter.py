@@ -182,7 +182,7 @@ def test_wrap_off_passes_micro_batches_through_a_closeable_buffer():
     ({"images": [[0]], "language": [[1]]}, {"module": "audio"}, "module='audio' is not in grids"),
     ({"images": [[0]], "language": [[1]]}, {"rank": 0, "module": "language"}, "rank 0 is in no DP group"),
     ({"images": [[0], [1]], "language": [[0, 1]]}, {"rank": 1, "module": "language"},
-     "colocated rank whose modules have different DP groups"),
+     "colocated modules 'images' and 'language' have different DP groups"),
     ({"images": [[0]], "language": [[1]]}, {"rank": 1, "data_iterator": None}, "data_iterator is None"),
 ])
 def test_wrap_rejections(grids, kw, msg):
