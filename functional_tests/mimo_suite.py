@@ -42,6 +42,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import hashlib
 import json
 import math
 import os
@@ -166,15 +167,17 @@ def cpu_shims():
             return attr
 
     schedules.torch = CpuTorch()
+    torch.cuda.synchronize = lambda *a, **k: None  # megatron's P2P (language PP) synchronizes after batched sends
     for name in ("new_group", "new_subgroups_by_enumeration"):  # megatron asks for NCCL in places
         orig = getattr(dist, name)
         setattr(dist, name, lambda *a, _orig=orig, **k: _orig(*a, **{**k, "backend": "gloo"}))
 
 
-def make_comm_grid(offset, size, backend):
+def make_comm_grid(offset, dp, backend, tp=1, pp=1):
+    """A module's HyperCommGrid: tp x pp x dp ranks from `offset` (tp varies fastest, then pp, then dp)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-    comm_grid = HyperCommGrid([1, 1, 1, size, 1, 1], ["tp", "cp", "pp", "dp", "ep", "expt_dp"], rank_offset=offset,
+    comm_grid = HyperCommGrid([tp, 1, pp, dp, 1, 1], ["tp", "cp", "pp", "dp", "ep", "expt_dp"], rank_offset=offset,
                               backend=backend)
     for dims in (["tp"], ["cp"], ["pp"], ["dp"], ["dp", "cp"], ["ep"], ["expt_dp"], ["tp", "pp"]):
         comm_grid.create_pg(dims)
@@ -193,13 +196,14 @@ def pg_collection(comm_grid, embd_groups):
 
 
 def embedding_groups(grids):
-    """pos_embd / embd groups per grid (pp 1: the grid's own ranks); world-wide, same order everywhere."""
+    """pos_embd / embd groups per grid: one group per rank (the output layer is not tied to the embedding,
+    so a pipeline's first and last stage share nothing); world-wide, same order everywhere."""
     out = {}
     for comm_grid in grids:
         if comm_grid.rank_offset in out:
             continue
         ranks = list(range(comm_grid.rank_offset, comm_grid.rank_offset + comm_grid.size))
-        own = [dist.new_group(ranks=[r]) for r in ranks]  # pp 1: every rank is first and last stage
+        own = [dist.new_group(ranks=[r]) for r in ranks]
         me = dist.get_rank()
         mine = own[ranks.index(me)] if me in ranks else None
         out[comm_grid.rank_offset] = (mine, mine)
@@ -224,14 +228,21 @@ def build_model(args, enc_grid, lang_grid, embd, device):
                   pipeline_dtype=torch.float32, bf16=False, params_dtype=torch.float32, attention_dropout=0.0,
                   hidden_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
                   persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-                  bias_dropout_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+                  bias_dropout_fusion=False)
+    enc_tp = rm.grid_dim(enc_grid, "tp")
+    lang_tp, lang_pp = rm.grid_dim(lang_grid, "tp"), rm.grid_dim(lang_grid, "pp")
+    me = dist.get_rank()
+    in_lang = lang_grid.rank_offset <= me < lang_grid.rank_offset + lang_grid.size
+    stage = rm.pp_stage(lang_grid, me)[0] if in_lang else 0  # this rank's language stage (its layers, pre/post)
     h = args.hidden
     lm_cfg = TransformerConfig(num_layers=args.lm_layers, hidden_size=h, num_attention_heads=4, ffn_hidden_size=2 * h,
-                               mrope_section=[h // 16, h // 32, h // 32], **common)
+                               mrope_section=[h // 16, h // 32, h // 32], tensor_model_parallel_size=lang_tp,
+                               pipeline_model_parallel_size=lang_pp, **common)
+    enc_parallel = dict(tensor_model_parallel_size=enc_tp, pipeline_model_parallel_size=1)
     vis_cfg = TransformerConfig(num_layers=1, hidden_size=args.vision_hidden, num_attention_heads=2,
-                                ffn_hidden_size=2 * args.vision_hidden, **common)
-    proj_cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=1, ffn_hidden_size=h,
-                                 activation_func=torch.nn.functional.gelu, **common)
+                                ffn_hidden_size=2 * args.vision_hidden, **enc_parallel, **common)
+    proj_cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=enc_tp, ffn_hidden_size=h,
+                                 activation_func=torch.nn.functional.gelu, **enc_parallel, **common)
 
     class PatchEncoder(MegatronModule):
         """Flat patches [sum P, F] + grid_thw -> merged tokens [sum P / 4, 4 * Hv]; attention stays inside
@@ -257,8 +268,8 @@ def build_model(args, enc_grid, lang_grid, embd, device):
     vis_pg = pg_collection(enc_grid, embd)
     lm_spec = ModuleSpec(module=GPTModel, params=dict(
         config=lm_cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-        max_sequence_length=args.seq_len, pre_process=True, post_process=True, position_embedding_type="mrope",
-        pg_collection=lang_pg))
+        max_sequence_length=args.seq_len, pre_process=stage == 0, post_process=stage == lang_pp - 1,
+        position_embedding_type="mrope", pg_collection=lang_pg))
     enc_spec = ModuleSpec(module=PatchEncoder, params=dict(config=vis_cfg, in_features=args.features,
                                                            pg_collection=vis_pg))
     proj_spec = ModuleSpec(module=MultimodalProjector, params=dict(
@@ -290,42 +301,76 @@ def megatron_init(args):
     return torch.device("cuda", torch.cuda.current_device())  # init_torchrun's rank_device
 
 
+def describe(tp, pp, dp):
+    """'dp 2', 'tp 2 x dp 2', 'tp 2 x pp 2 x dp 2': a module's parallel sizes (TP and PP named when > 1)."""
+    return " x ".join([f"tp {tp}"] * (tp > 1) + [f"pp {pp}"] * (pp > 1) + [f"dp {dp}"])
+
+
+def layout_sizes(args, world):
+    """{module: (offset, tp, pp, dp)} of the layout the arguments ask for (module ENC, LANG)."""
+    if args.encoder_dp is None:  # colocated: both modules on every rank, one grid shape (check_layout)
+        tp = args.language_tp
+        if world % tp:
+            raise SystemExit(f"--language-tp {tp} does not divide the world ({world} ranks)")
+        return {ENC: (0, tp, 1, world // tp), LANG: (0, tp, 1, world // tp)}
+    enc = (0, args.encoder_tp, 1, args.encoder_dp)
+    lang = (args.encoder_tp * args.encoder_dp, args.language_tp, args.language_pp, args.language_dp)
+    need = enc[1] * enc[3] + lang[1] * lang[2] * lang[3]
+    if need != world:
+        raise SystemExit(f"encoder {describe(*enc[1:])} + language {describe(*lang[1:])} needs {need} ranks, "
+                         f"the world has {world}")
+    return {ENC: enc, LANG: lang}
+
+
 def setup(args):
     """Model, grids, data and process groups of the layout the arguments ask for, as the dict `env`
     that every test and `Run` read.
 
-    Colocated (no --encoder-dp): both modules on every rank, dp = world, G = dp.
-    Non-colocated (--encoder-dp E --language-dp L, world E + L): the encoder on ranks 0..E-1 (dp E),
-    the language model on ranks E..E+L-1 (dp L), G = lcm(E, L) = L; training runs megatron's 1F1B
-    schedule, whose MultiModulePipelineCommunicator hands the encoder output to the language ranks
-    through BridgeCommunicator (fan-out by position: encoder rank v feeds language ranks v*k..v*k+k-1,
-    k = L / E, split per sample).
+    Colocated (no --encoder-dp): both modules on every rank, on one grid tp T x dp world/T
+    (--language-tp T; megatron's colocated MIMO runs PP 1, and reorder needs both modules on the same
+    DP groups), G = dp.
+    Non-colocated (--encoder-dp E [--encoder-tp], --language-dp L [--language-tp, --language-pp]): the
+    encoder on the first ranks (tp x dp E), the language model after them (tp x pp x dp L), G = lcm(E, L)
+    = L; training runs megatron's 1F1B schedule, whose MultiModulePipelineCommunicator hands the
+    encoder output to the first language stage through BridgeCommunicator (between DP replicas'
+    leaders, fan-out by position: encoder replica v feeds language replicas v*k..v*k+k-1, k = L / E,
+    split per sample; each side broadcasts over its TP group) and the language stages to each other
+    through P2P.
 
     env keys: model, init_state, device, ds, tmp; grids {module: HyperCommGrid} (what `wrap` gets);
     module (this rank's module) and loads (the modules whose fields it reads); dp, dp_rank, dp_group
-    (this rank's module); groups (G); modules {module: global ranks in DP order}; pipeline (None, or the
-    schedule's communicator and process groups); gloo (a world-wide Gloo group)."""
+    (this rank's module); pp_stage, pp_size (this rank's language stage; 0, 1 elsewhere); recorder
+    (TP rank 0: records the per-sample checksums); loss_rank (a last-stage language rank); groups (G);
+    dp_groups, tp_groups, pp_groups {module: global ranks of each group, in group order} (colocated:
+    the language module's only); pipeline (None, or the schedule's communicator and process groups);
+    gloo (a world-wide Gloo group)."""
     device = megatron_init(args)
     world, me = dist.get_world_size(), dist.get_rank()
     backend = "gloo" if args.device == "cpu" else "nccl"
     colocated = args.encoder_dp is None
-    E, L = (world, world) if colocated else (args.encoder_dp, args.language_dp)
-    if not colocated and E + L != world:
-        raise SystemExit(f"--encoder-dp {E} --language-dp {L} needs {E + L} ranks, the world has {world}")
-    enc_grid = make_comm_grid(0, E, backend)
-    lang_grid = make_comm_grid(0 if colocated else E, L, backend)
-    grids = {ENC: enc_grid, LANG: lang_grid}
+    sizes = layout_sizes(args, world)
+    grids = {m: make_comm_grid(off, dp, backend, tp=tp, pp=pp) for m, (off, tp, pp, dp) in sizes.items()}
+    enc_grid, lang_grid = grids[ENC], grids[LANG]
     embd = embedding_groups([enc_grid, lang_grid])
     model = build_model(args, enc_grid, lang_grid, embd, device)
-    module = LANG if colocated or me >= E else ENC
+    module = LANG if colocated or me >= sizes[LANG][0] else ENC
     mine = grids[module]
+    listed = [LANG] if colocated else [ENC, LANG]
+    dp_groups = {m: rm.dp_groups_from_grid(grids[m]) for m in listed}
+    tp_groups = {m: rm.rank_enum(grids[m], "tp") for m in listed}
+    pp_groups = {m: rm.rank_enum(grids[m], "pp") for m in listed}
+    my_dp = next(g for g in dp_groups[module] if me in g)
+    my_tp = next(g for g in tp_groups[module] if me in g)
+    stage, pp_size = rm.pp_stage(mine, me)
+    (_, etp, _, e), (_, ltp, lpp, l) = sizes[ENC], sizes[LANG]
     env = {"model": model, "init_state": copy.deepcopy(model.state_dict()), "device": device, "grids": grids,
            "module": module, "loads": [ENC, LANG] if colocated else [module],
-           "dp": mine.size, "dp_rank": me - mine.rank_offset,  # tp = cp = pp = 1: a grid is one DP group
-           "dp_group": mine.get_pg("dp"), "groups": math.lcm(E, L),
-           "modules": ({LANG: list(range(world))} if colocated else
-                       {ENC: list(range(E)), LANG: list(range(E, E + L))}),
-           "layout": f"colocated dp {world}" if colocated else f"encoder dp {E} + language dp {L}",
+           "dp": len(my_dp), "dp_rank": sorted(my_dp).index(me), "dp_group": mine.get_pg("dp"),
+           "pp_stage": stage, "pp_size": pp_size, "recorder": my_tp.index(me) == 0,
+           "loss_rank": pp_groups[LANG][0][-1], "groups": math.lcm(e, l),
+           "dp_groups": dp_groups, "tp_groups": tp_groups, "pp_groups": pp_groups,
+           "layout": (f"colocated {describe(ltp, 1, l)}" if colocated else
+                      f"encoder {describe(etp, 1, e)} + language {describe(ltp, lpp, l)}"),
            "pipeline": None, "gloo": dist.new_group(backend="gloo"),
            "ds": Dataset(args.dataset, args.seq_len, args.features, args.mix, args.scale, args.seed),
            "tmp": tempfile.mkdtemp(prefix="mimo_suite_")}
@@ -338,11 +383,13 @@ def setup(args):
         comm = MultiModulePipelineCommunicator(grids, {ENC: [LANG], LANG: []}, model.config,
                                                dim_mapping={"s": 0, "h": 2, "b": 1}, module_output_ndim={ENC: 2})
         env["pipeline"] = {"communicator": comm, "pg_collection": pgc}
-    # the DP replicas of each module must start from the same weights (megatron builds only this rank's modules)
-    check = (module, sum(float(p.double().sum()) for p in model.parameters()))
-    every = gather(check)
-    assert all(c == every[ranks[0]] for ranks in env["modules"].values() for c in (every[r] for r in ranks)), \
-        f"DP replicas start from different weights: {every}"
+    # the DP replicas of each module (the same TP shard and stage) must start from the same weights
+    # (megatron builds only this rank's modules and stage)
+    every = gather((module, tuple(my_dp), sum(float(p.double().sum()) for p in model.parameters())))
+    for m, groups in dp_groups.items():
+        for g in groups:
+            sums = {every[r][2] for r in g}
+            assert len(sums) == 1, f"{m} DP group {g} starts from different weights: {[every[r] for r in g]}"
     log(f"model: {env['layout']}, rank 0 holds {sum(p.numel() for p in model.parameters())} parameters on {device}")
     return env
 
@@ -375,7 +422,7 @@ class Run:
         for p in self.params:
             p.grad = torch.zeros_like(p)
         self.opt = torch.optim.Adam(self.params, lr=args.lr)
-        fields = rm.fields_to_load(env["loads"], 0, cfg)
+        fields = rm.fields_to_load(env["loads"], env["pp_stage"], cfg, pp_size=env["pp_size"])
 
         def source(consumed_samples):  # this rank's micro-batches from `consumed_samples` on
             sampler = CanonicalBatchSampler(len(env["ds"]), args.global_batch, data_parallel_size=env["dp"],
@@ -392,7 +439,7 @@ class Run:
             self.opt.load_state_dict(state["optimizer"])
             self.it.load_state_dict(state["data"])  # the source is built from its consumed_samples
         self.iters = iters
-        self.losses, self.ids, self.img_tokens = [], [], []
+        self.losses, self.ids, self.img_tokens, self.digests = [], [], [], []
         self.sums, self.misrouted, self.current, self._undo = {"encoder": [], "language": []}, 0, None, []
         if checksums:
             self._record_checksums()
@@ -433,6 +480,7 @@ class Run:
         """Megatron's forward_step_func: the next micro-batch through the model; (output, loss_func)."""
         mb = next(data_iterator)
         self.ids.append(mb["sample_id"].tolist())
+        self.digests.append(field_digests(mb))
         self.img_tokens.append(int((mb["input_ids"] == syn.IMAGE_TOKEN).sum()))
         self.current = mb  # the checksum hooks pair the outputs with its sample ids
         out, loss_mask = model(**model_inputs(mb))
@@ -467,14 +515,16 @@ class Run:
             num_microbatches=args.micro_batches, seq_length=args.seq_len, micro_batch_size=args.global_batch,
             forward_only=False, p2p_communicator=env["pipeline"]["communicator"],
             pg_collection=env["pipeline"]["pg_collection"])
-        # the reports exist on the language ranks (the last stage): every rank gets the first one's loss
+        # the reports exist on the last language stage: every rank gets the first such rank's loss
         total = torch.tensor([sum(float(r["loss"]) for r in res) / len(res) if res else 0.0], dtype=torch.float64)
-        dist.broadcast(total, src=env["modules"][LANG][0], group=env["gloo"])
+        dist.broadcast(total, src=env["loss_rank"], group=env["gloo"])
         return float(total)
 
     # -- instrumentation -------------------------------------------------------------------------
     def _record_checksums(self):
         model, sums = self.env["model"], self.sums
+        if not self.env["recorder"]:  # a TP peer of a recorder holds the same values
+            return
 
         def encoder_out(mod, inp, out):  # [image tokens of the micro-batch, H], samples in order
             counts = (self.current["input_ids"] == syn.IMAGE_TOKEN).sum(1).tolist()
@@ -482,6 +532,8 @@ class Run:
             sums["encoder"].extend(zip(self.current["sample_id"].tolist(), [float(x.sum()) for x in per]))
 
         def language_in(mod, args_, kwargs):  # decoder_input [S, B, H]: text and image embeddings merged
+            if kwargs.get("decoder_input") is None:  # a later pipeline stage: hidden states, no embeddings
+                return
             x = kwargs["decoder_input"].detach().double().transpose(0, 1)
             img = self.current["input_ids"] == syn.IMAGE_TOKEN
             sums["language"].extend(zip(self.current["sample_id"].tolist(),
@@ -502,7 +554,7 @@ class Run:
         def tolerant(modality_embeddings, input_ids, special_token_ids):
             rows, need = modality_embeddings.get(ENC), int((input_ids == special_token_ids[ENC]).sum())
             if rows is not None and rows.shape[0] != need:
-                self.misrouted += 1
+                self.misrouted += self.env["recorder"]
                 pad = rows.new_zeros(max(need - rows.shape[0], 0), rows.shape[1])
                 modality_embeddings = {**modality_embeddings, ENC: torch.cat([rows[:need], pad])}
             return align(modality_embeddings, input_ids, special_token_ids)
@@ -545,34 +597,100 @@ def expected_share(env, cfg, window_ids):
     return [window_ids[i] for i in order]
 
 
-def module_orders(env, every_ids):
-    """{module: [micro-batch][position] sample ids}: each micro-batch's samples over the module's DP
-    ranks in rank order (every_ids: each rank's `Run.ids`, gathered)."""
-    return {m: [[i for r in ranks for i in every_ids[r][k]] for k in range(len(every_ids[ranks[0]]))]
-            for m, ranks in env["modules"].items()}
+def field_digests(mb):
+    """{field: digest of its dtype, shape and bytes} of one micro-batch (nested fields as a.b.c)."""
+    out = {}
+
+    def walk(name, v):
+        if isinstance(v, dict):
+            for k in sorted(v):
+                walk(f"{name}.{k}" if name else k, v[k])
+        elif torch.is_tensor(v):
+            t = v.detach().contiguous().cpu()
+            h = hashlib.sha1(f"{t.dtype} {tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[name] = h.hexdigest()[:16]
+
+    walk("", mb)
+    return out
+
+
+STAGE_FIELDS = ("sample_id", "input_ids", "position_ids")  # fields every language stage loads
+
+
+def dp_orders(env, every_ids):
+    """{label: [micro-batch][position] sample ids}: each micro-batch's samples over one DP group's ranks
+    in DP order, for every DP group of every module (every_ids: each rank's `Run.ids`, gathered). The
+    label is the module's name, or with several DP groups (TP, PP), the module and the group's ranks."""
+    out = {}
+    for m, groups in env["dp_groups"].items():
+        for g in groups:
+            label = m if len(groups) == 1 else f"{m} {g}"
+            out[label] = [[i for r in g for i in every_ids[r][k]] for k in range(len(every_ids[g[0]]))]
+    return out
+
+
+def check_replicas(env, every):
+    """Every TP group: its ranks held byte-identical micro-batches (every field's digest, micro-batch by
+    micro-batch); every PP group (the stages of one DP replica): the same samples in the same order, and
+    the same token fields. every: each rank's {"ids", "digests"}, gathered. Returns the counts checked."""
+    tp = pp = 0
+    for m in env["dp_groups"]:
+        for g in env["tp_groups"][m]:
+            for r in g[1:]:
+                a, b = every[g[0]]["digests"], every[r]["digests"]
+                bad = [k for k in range(max(len(a), len(b))) if k >= min(len(a), len(b)) or a[k] != b[k]]
+                if bad:
+                    k = bad[0]
+                    diff = sorted(f for f in set(a[k]) | set(b[k]) if a[k].get(f) != b[k].get(f)) \
+                        if k < min(len(a), len(b)) else "count"
+                    raise AssertionError(f"{m} TP group {g}: rank {r} micro-batch {k} differs from rank {g[0]} "
+                                         f"({diff}; {len(bad)} micro-batches differ)")
+                tp += len(a)
+        for g in env["pp_groups"][m]:
+            for r in g[1:]:
+                if every[r]["ids"] != every[g[0]]["ids"]:
+                    k = next(k for k, (x, y) in enumerate(zip(every[r]["ids"], every[g[0]]["ids"])) if x != y) \
+                        if len(every[r]["ids"]) == len(every[g[0]]["ids"]) else "count"
+                    raise AssertionError(f"{m} PP group {g}: stage {g.index(r)} (rank {r}) holds another sample "
+                                         f"order than stage 0 (rank {g[0]}) at micro-batch {k}")
+                for k, (x, y) in enumerate(zip(every[r]["digests"], every[g[0]]["digests"])):
+                    diff = [f for f in STAGE_FIELDS if f in x and f in y and x[f] != y[f]]
+                    if diff:
+                        raise AssertionError(f"{m} PP group {g}: rank {r} micro-batch {k} differs from stage 0 "
+                                             f"in {diff}")
+                pp += len(every[r]["ids"])
+    return {"tp_peer_micro_batches_identical": tp, "pp_stage_micro_batches_same_order": pp}
 
 
 def check_accounting(env, run, cfg, first_window=0):
-    """Every sample of every global micro-batch seen exactly once in each module, and each module's
-    ranks holding, in rank order, the reference plan's canonical order (reorder on) or the natural order
-    (off): every rank got its share of the plan."""
-    every = gather(run.ids)
+    """Every sample of every global micro-batch seen exactly once in each DP group of each module, and
+    each DP group's ranks holding, in rank order, the reference plan's canonical order (reorder on) or
+    the natural order (off): every rank got its share of the plan. Also `check_replicas`: TP peers
+    byte-identical, PP stages in one order."""
+    every = gather({"ids": run.ids, "digests": run.digests})
     if dist.get_rank():
         return {}
+    replicas = check_replicas(env, every)
     B = run.args.global_batch
     ref_sampler = CanonicalBatchSampler(len(env["ds"]), B, data_parallel_size=1, data_parallel_rank=0,
                                         grid_size=env["groups"], dataloader_type="cyclic", seed=run.args.seed)
-    orders = module_orders(env, every)
+    orders = dp_orders(env, [e["ids"] for e in every])
     n = len(run.ids)
     for k in range(n):
         want = ref_sampler.global_micro_batch(first_window + k)
         plan = expected_share(env, cfg, want) if cfg.enabled else want
-        for module, got in orders.items():
+        for label, got in orders.items():
             if sorted(got[k]) != sorted(want) or len(set(got[k])) != B:
-                raise AssertionError(f"{module} micro-batch {k}: samples {got[k]} != global micro-batch {want}")
+                raise AssertionError(f"{label} micro-batch {k}: samples {got[k]} != global micro-batch {want}")
             if got[k] != plan:
-                raise AssertionError(f"{module} micro-batch {k}: ranks hold {got[k]}, reference plan {plan}")
-    return {"micro_batches": n, "samples": n * B, "modules": list(orders)}
+                raise AssertionError(f"{label} micro-batch {k}: ranks hold {got[k]}, reference plan {plan}")
+    out = {"micro_batches": n, "samples": n * B, "modules": list(env["dp_groups"])}
+    if len(orders) > len(env["dp_groups"]):
+        out["dp_groups"] = len(orders)
+    if any(len(g) > 1 for groups in (env["tp_groups"], env["pp_groups"]) for gs in groups.values() for g in gs):
+        out.update(replicas)
+    return out
 
 
 # ---- tests -----------------------------------------------------------------------------------------
@@ -593,7 +711,7 @@ def test_parity(args, env):
     d1 = abs(off.losses[0] - on.losses[0])
     rel = [abs(a - b) / abs(a) for a, b in zip(off.losses, on.losses)]
     ok = sums_equal and d1 <= args.first_tolerance * abs(off.losses[0]) and max(rel) <= args.tolerance
-    return {"test": "parity", "ok": bool(ok), "iters": args.iters, "micro_batches_per_iter": args.micro_batches,
+    return {"test": "parity", "ok": bool(ok), "layout": env["layout"], "iters": args.iters, "micro_batches_per_iter": args.micro_batches,
             "loss1_off": off.losses[0], "loss1_on": on.losses[0], "loss1_abs_diff": d1,
             "loss1_rel_diff": d1 / abs(off.losses[0]), "max_rel_diff": max(rel), "max_abs_diff":
             max(abs(a - b) for a, b in zip(off.losses, on.losses)), "tolerance_rel": args.tolerance,
@@ -687,15 +805,17 @@ def test_soak(args, env):
 
 
 def test_noncoloc(args, env):
-    """Non-colocated layout (`setup`: encoder dp E on the first ranks, language dp L after them), the real
-    1F1B schedule across BridgeCommunicator, reorder off vs on (lpt, W 2, overlap; with G = 1 the default
-    balancer keeps the natural order, lpt permutes):
-    - per-sample image-embedding checksums, encoder output vs language input: 0 mismatches off and on;
+    """Non-colocated layout (`setup`: encoder tp x dp E on the first ranks, language tp x pp x dp L after
+    them), the real 1F1B schedule across BridgeCommunicator (and P2P between language stages), reorder
+    off vs on (lpt, W 2, overlap; with G = 1 the default balancer keeps the natural order, lpt permutes):
+    - per-sample image-embedding checksums, encoder output vs language input (the first language
+      stage's decoder input; TP rank 0 of each side records): 0 mismatches off and on;
       a control run where only the language ranks reorder (the encoder ranks plan with the identity
       balancer, so they keep the natural order yet join wrap's world-wide group creation) must show
       mismatches;
-    - both modules hold every micro-batch in the reference plan's order (`check_accounting`), so the
-      encoder's and the language model's orders agree;
+    - every DP group of both modules holds every micro-batch in the reference plan's order
+      (`check_accounting`), so the encoder's and the language model's orders agree; TP peers hold
+      byte-identical micro-batches and the PP stages of a replica one sample order (`check_replicas`);
     - the loss curves of off and on agree within --first-tolerance / --tolerance;
     - a bit-identical resume with reorder on (`test_resume`)."""
     on_cfg = reorder_cfg(True, window=2, overlap=True, balancer="lpt")
@@ -712,27 +832,28 @@ def test_noncoloc(args, env):
         return {}
 
     def mismatches(name):  # samples whose image embeddings on the language side are not the encoder's for them
-        enc = sorted(s for r in env["modules"][ENC] for s in every[r][name]["sums"]["encoder"])
-        lang = sorted(s for r in env["modules"][LANG] for s in every[r][name]["sums"]["language"])
+        enc = sorted(s for e in every for s in e[name]["sums"]["encoder"])  # recorders only: one per sample
+        lang = sorted(s for e in every for s in e[name]["sums"]["language"])
         assert len(enc) == len(lang), (name, len(enc), len(lang))
         return sum(e != la for e, la in zip(enc, lang)), len(enc)
 
     paired = {name: mismatches(name) for name in runs}
-    orders = {name: module_orders(env, [e[name]["ids"] for e in every]) for name in runs}
-    aligned = all(orders[name][ENC] == orders[name][LANG] for name in ("off", "on"))
-    permuted = sum(a != b for a, b in zip(orders["on"][ENC], orders["off"][ENC]))
+    orders = {name: dp_orders(env, [e[name]["ids"] for e in every]) for name in runs}
+    aligned = all(o == next(iter(orders[name].values())) for name in ("off", "on") for o in orders[name].values())
+    first_on, first_off = next(iter(orders["on"].values())), next(iter(orders["off"].values()))
+    permuted = sum(a != b for a, b in zip(first_on, first_off))
     lo, ln, bad = runs["off"].losses, runs["on"].losses, runs["bad"].losses
     d1 = abs(lo[0] - ln[0])
     rel = max(abs(a - b) / abs(a) for a, b in zip(lo, ln))
     ok = aligned and permuted > 0 and d1 <= args.first_tolerance * abs(lo[0]) and rel <= args.tolerance \
         and paired["off"][0] == 0 and paired["on"][0] == 0 and paired["bad"][0] > 0 and resume["ok"]
-    return {"test": args.test, "ok": bool(ok), "layout": env["layout"], "encoder_dp": len(env["modules"][ENC]),
-            "language_dp": len(env["modules"][LANG]), "groups": env["groups"], "iters": args.iters,
+    return {"test": args.test, "ok": bool(ok), "layout": env["layout"], "encoder_dp": len(env["dp_groups"][ENC][0]),
+            "language_dp": len(env["dp_groups"][LANG][0]), "groups": env["groups"], "iters": args.iters,
             "encoder_and_language_order_equal": aligned,
             "image_embedding_mismatches": {k: f"{v[0]}/{v[1]} samples" for k, v in paired.items()},
             "misaligned_control_rel_diff": abs(bad[0] - lo[0]) / abs(lo[0]),
             "misaligned_control_misrouted_micro_batches": sum(e["bad"]["misrouted"] for e in every),
-            "micro_batches_permuted": permuted, "of": len(orders["on"][ENC]), "loss1_off": lo[0], "loss1_on": ln[0],
+            "micro_batches_permuted": permuted, "of": len(first_on), "loss1_off": lo[0], "loss1_on": ln[0],
             "loss1_abs_diff": d1, "max_rel_diff": rel, "losses_off": lo, "losses_on": ln, "accounting": acc,
             "resume": resume}
 
@@ -751,6 +872,13 @@ def parse(argv=None):
     p.add_argument("--language-dp", type=int, default=None,
                    help="non-colocated layout: the language model on the next L ranks with DP L, a multiple of E "
                         "(noncoloc: 1, hetero: 4)")
+    p.add_argument("--encoder-tp", type=int, default=None,
+                   help="non-colocated: the encoder's tensor-parallel size (its ranks: tp x E; default 1); "
+                        "colocated, the encoder always shares the language grid")
+    p.add_argument("--language-tp", type=int, default=1,
+                   help="the language model's tensor-parallel size (colocated: both modules' grid, tp x world/tp)")
+    p.add_argument("--language-pp", type=int, default=1,
+                   help="non-colocated: the language model's pipeline-parallel size (its ranks: tp x pp x L)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per iteration")
     p.add_argument("--global-batch", type=int, default=8)
@@ -761,7 +889,8 @@ def parse(argv=None):
     p.add_argument("--dataset", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--vision-hidden", type=int, default=32)
-    p.add_argument("--lm-layers", type=int, default=2)
+    p.add_argument("--lm-layers", type=int, default=None, help="language layers (default 2, or --language-pp "
+                                                                  "when larger), a multiple of --language-pp")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--tolerance", type=float, default=1e-3, help="max relative loss difference over --iters")
@@ -779,6 +908,19 @@ def parse(argv=None):
         args.language_dp = l if args.language_dp is None else args.language_dp
     if (args.encoder_dp is None) != (args.language_dp is None):
         p.error("give both --encoder-dp and --language-dp (a non-colocated layout), or neither (colocated)")
+    for name in ("encoder_tp", "language_tp", "language_pp"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.encoder_dp is None:
+        if args.language_pp > 1:
+            p.error("--language-pp > 1 needs a non-colocated layout (--encoder-dp, --language-dp): megatron's "
+                    "colocated MIMO runs PP 1")
+        if args.encoder_tp not in (None, args.language_tp):
+            p.error("colocated, the encoder shares the language grid: give --language-tp only")
+    args.encoder_tp = args.encoder_tp or 1 if args.encoder_dp is not None else args.language_tp
+    args.lm_layers = args.lm_layers or max(2, args.language_pp)
+    if args.lm_layers % args.language_pp:
+        p.error(f"--lm-layers {args.lm_layers} must be a multiple of --language-pp {args.language_pp}")
     if args.encoder_dp is not None:
         if args.test == "parity":
             p.error("parity is colocated; noncoloc / hetero are the non-colocated layout's parity test")
@@ -826,7 +968,8 @@ def summarize(folder) -> int:
         bad += [] if ok else [name]
         head = "PASS" if ok else "FAIL"
         if r["test"] == "parity":
-            lines += [f"{head} {name} (colocated dp 2, {r['iters']} iterations x {r['micro_batches_per_iter']} "
+            lines += [f"{head} {name} ({r.get('layout', 'colocated dp 2')}, {r['iters']} iterations x "
+                      f"{r['micro_batches_per_iter']} "
                       f"micro-batches, reorder off vs on W 2 overlap)",
                       f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| "
                       f"{r['loss1_abs_diff']:.3e} (relative {r['loss1_rel_diff']:.3e}, limit "
