@@ -189,11 +189,11 @@ def main():
                 k = iter(range(10**9))
                 perm_split[mb, kind] = timed(lambda: loc.exchange([mine[next(k) % len(mine)]]), args.reps * 8)
         g = gs[next(i for i, r in enumerate(reps) if (r.orders != np.arange(mb)).any())]
-        win = loc._prepare([g])
-        plan_args = (win.counts, cost, loc.grid, loc.settings)
+        win = loc.round._prepare([g])
+        plan_args = (win.counts, cost, loc.grid, loc.round.settings)
         order = plan_window(*plan_args).orders[0]
         dp1_parts[mb] = dict(
-            prepare=timed(lambda: loc._prepare([g]), args.reps * 4),
+            prepare=timed(lambda: loc.round._prepare([g]), args.reps * 4),
             counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid_thw=grid_thw_of(g)), args.reps * 4),
             plan=timed(lambda: plan_window(*plan_args), args.reps * 4),
             take=timed(lambda: take(win.layout, [win.shards[0]], order, dev), args.reps * 4))

@@ -106,7 +106,7 @@ def _exchanger(args, dev, window_size: int = 1) -> WindowExchanger:
     ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
                          device=dev, window_size=window_size)
     if args.no_copies:
-        ex._executors[dev] = _NoCopies()
+        ex.round._executors[dev] = _NoCopies()
     return ex
 
 
@@ -114,16 +114,16 @@ def parts(args, dev, batches) -> dict:
     b = batches[0]
     ex = _exchanger(args, dev)
     ex.exchange([b])
-    window = ex._prepare([b])
+    window = ex.round._prepare([b])
     counts = window.counts
     layout = window.layout
-    plan = plan_window(counts, COST, ex.grid, ex.settings, unit_bytes(layout))
+    plan = plan_window(counts, COST, ex.grid, ex.round.settings, unit_bytes(layout))
     fields = byte_fields(layout)
     moves = build_moves(fields, counts, plan, 0)
-    _, sources = ex._sources(layout, window)
+    _, sources = ex.round._sources(layout, window)
     out_counts = SampleCounts(moves.out_counts.table[0])
     made = empty_shard(layout, out_counts, dev)
-    executor = ex._executor(dev)
+    executor = ex.round._executor(dev)
     addresses = check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1])
     k = iter(range(10**9))
     timed = {
@@ -131,10 +131,10 @@ def parts(args, dev, batches) -> dict:
         "count": lambda: COST.counts(b["input_ids"], b["attention_mask"], grid_thw=grid_thw_of(b)),
         "describe": lambda: describe(b, args.micro_batch, vision_start_token_id=COST.vision_start_token_id,
                                      image_counts=torch.from_numpy(counts.images[0].copy())),
-        "prepare": lambda: ex._prepare([b]),
-        "plan": lambda: plan_window(counts, COST, ex.grid, ex.settings, unit_bytes(layout)),
+        "prepare": lambda: ex.round._prepare([b]),
+        "plan": lambda: plan_window(counts, COST, ex.grid, ex.round.settings, unit_bytes(layout)),
         "moves": lambda: build_moves(fields, counts, plan, 0),
-        "sources": lambda: ex._sources(layout, window),
+        "sources": lambda: ex.round._sources(layout, window),
         "outputs": lambda: empty_shard(layout, out_counts, dev),
         "check_bounds": lambda: check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1]),
         "launch_table": lambda: launch_table(moves.assemble, *addresses, 16384),

@@ -88,7 +88,7 @@ def dp1(args, dev) -> dict:
         ex.exchange([resident[0]])
     res["ops_per_window"] = sum(c.ops.values())
     res["ops_by_kind"] = dict(collections.Counter({op: n for op, n in c.ops.items()}).most_common(12))
-    res["executor"] = ex._executor(resident[0]["input_ids"].device).name
+    res["executor"] = ex.round._executor(resident[0]["input_ids"].device).name
     return res
 
 

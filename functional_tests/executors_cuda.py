@@ -87,7 +87,7 @@ def check_windows(args, dev) -> int:
         for ex_ in (TritonExecutor(), TorchExecutor()):
             ex = WindowExchanger(grid=Grid(groups=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev,
                                  window_size=2)
-            ex._executors[torch.device("cuda", dev.index or 0)] = ex_
+            ex.round._executors[torch.device("cuda", dev.index or 0)] = ex_
             (a, b), rep = ex.exchange([src, src])
             outs.append((a, rep.orders[0]))
         want = per_sample_bytes(g, vision_start_token_id=syn.VISION_START)

@@ -13,13 +13,14 @@ from reorder.exchange.collectives import CollectiveError, EmulatedGroup, run_emu
 from reorder.integrations.config import ReorderConfig
 from reorder.plan.cost import CostModel
 from reorder.exchange.exchanger import ReorderError, WindowExchanger, WindowReport
-from reorder.plan.grid import Grid, canonical_grid, check_global_batch
+from reorder.plan.grid import Grid, canonical_grid, check_global_batch, check_micro_batch_size
 from reorder.batch.layout import LayoutError
 from reorder.plan.orders import plan_orders, rank_loads
 from reorder.integrations.sampler import CanonicalBatchSampler
 
 __all__ = [
     "BALANCERS", "CanonicalBatchSampler", "CollectiveError", "CostModel", "EmulatedGroup", "Grid", "LayoutError",
-    "ReorderConfig", "ReorderError", "ReorderingBuffer", "WindowExchanger", "WindowReport", "canonical_grid", "check_global_batch", "get_balancer", "plan_orders",
+    "ReorderConfig", "ReorderError", "ReorderingBuffer", "WindowExchanger", "WindowReport", "canonical_grid", "check_global_batch",
+    "check_micro_batch_size", "get_balancer", "plan_orders",
     "rank_loads", "run_emulated",
 ]

@@ -169,3 +169,24 @@ def test_results_name_the_commit_measured(monkeypatch):
     assert code_commit() == head.strip()
     monkeypatch.setenv("REORDER_COMMIT", "0123abc")
     assert code_commit() == "0123abc"
+
+
+@pytest.mark.parametrize("gpus,want", [(1, [0, 0, 0, 0]), (2, [0, 1, 0, 1]), (4, [0, 1, 2, 3])])
+def test_ranks_beyond_the_gpu_count_share_them_each_with_its_own_nccl_host_id(monkeypatch, capsys, gpus, want):
+    """bench.common.rank_device: rank r on GPU r mod count; one NCCL host id per local rank exactly
+    when ranks outnumber GPUs (NCCL refuses two ranks of one host on one GPU), said in the output."""
+    from bench import common
+
+    monkeypatch.setattr(common.torch.cuda, "device_count", lambda: gpus)
+    devices, ids = [], []
+    for r in range(4):
+        monkeypatch.delenv("NCCL_HOSTID", raising=False)
+        monkeypatch.setenv("LOCAL_RANK", str(r))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        devices.append(common.rank_device(True))
+        ids.append(os.environ.get("NCCL_HOSTID"))
+    assert devices == [common.torch.device("cuda", i) for i in want]
+    shared = gpus < 4
+    assert (len(set(ids)) == 4 and None not in ids) if shared else ids == [None] * 4
+    assert ("shared-GPU mode" in capsys.readouterr().out) == shared
+    assert common.rank_device(False) == common.torch.device("cpu")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reorder import CostModel, Grid, canonical_grid, plan_orders
-from reorder.plan.grid import check_global_batch
+from reorder.plan.grid import check_global_batch, check_micro_batch_size
 from spec import reference as ref
 
 WEIGHTS = ("encoder_weight", "language_weight", "encoder_quadratic_weight", "language_quadratic_weight",
@@ -61,17 +61,24 @@ def test_canonical_grid_refuses_bad_sizes():
 
 
 @pytest.mark.parametrize("batch", [0, -4, 6, 3])
-def test_global_batch_must_be_a_positive_multiple(batch):
-    assert message(lambda: check_global_batch(batch, 4)) == (
-        f"global micro-batch size B={batch} is not a positive multiple of the canonical grid G=4: "
-        "choose B as a multiple of lcm(DP sizes)")
+def test_micro_batch_size_must_be_a_positive_multiple(batch):
+    assert message(lambda: check_micro_batch_size(batch, 4)) == (
+        f"micro_batch_size={batch} (B, the global micro-batch) is not a positive multiple of the canonical grid "
+        "G=4: choose B as a multiple of lcm(DP sizes)")
 
 
-def test_global_batch_accepts_multiples():
+def test_micro_batch_size_accepts_multiples():
     for batch in (1, 4, 8):
-        check_global_batch(batch, 1)
-    check_global_batch(4, 4)
-    check_global_batch(12, 4)
+        check_micro_batch_size(batch, 1)
+    check_micro_batch_size(4, 4)
+    check_micro_batch_size(12, 4)
+
+
+def test_the_old_name_warns_and_still_checks():
+    with pytest.warns(DeprecationWarning, match="use check_micro_batch_size"):
+        check_global_batch(12, 4)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="micro_batch_size=6"):
+        check_global_batch(6, 4)
 
 
 # --- cost model: weights --------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_only_kept_slots_are_moved_to_the_device_as_given(monkeypatch, early):
     """A slot the plan rewrites is written straight into its new tensors: its input fields are not
     also moved to `device` (from pinned host memory that would be a second full copy of the
     micro-batch). With early_copy a kept slot reuses the copies made at counting time."""
-    from reorder.exchange import exchanger as driver
+    from reorder.exchange import round as driver
 
     moved = []
     real = driver._fields_to
@@ -121,10 +121,12 @@ def test_early_copy_starts_before_counting_once_the_layout_is_known(monkeypatch)
     """With early_copy, the per-sample fields of a window after the first are sent to `device`
     before the micro-batch is counted (the layout of the window before names them), each once."""
     events = []
-    to, count = torch.Tensor.to, WindowExchanger._count
+    from reorder.exchange.round import WindowRound
+
+    to, count = torch.Tensor.to, WindowRound._count
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: (k.get("non_blocking") and events.append(("to", id(t))))
                         or to(t, *a, **k))  # the copies to `device` (counting reads grid_thw blocking)
-    monkeypatch.setattr(WindowExchanger, "_count", lambda self, *a: events.append(("count", None)) or count(self, *a))
+    monkeypatch.setattr(WindowRound, "_count", lambda self, *a: events.append(("count", None)) or count(self, *a))
     rng = np.random.default_rng(5)
     ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=COST, device="cpu",
                          early_copy=True)
@@ -167,12 +169,12 @@ def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
 def test_a_window_kept_natural_builds_no_move_list(monkeypatch, device, early):
     """A fully gated window keeps every slot as read on every rank: it returns them (moved to
     `device` as reorder off would) without building a move list or gathering its buffers."""
-    from reorder.exchange import exchanger as driver
+    from reorder.exchange import round as driver
 
     def refuse(*a, **k):
         raise AssertionError("a natural window must not build a move list")
     monkeypatch.setattr(driver, "build_moves", refuse)
-    monkeypatch.setattr(driver.WindowExchanger, "_sources", refuse)
+    monkeypatch.setattr(driver.WindowRound, "_sources", refuse)
     batches = windows_for(12, 8, 2)
 
     def fn(r, coll):
@@ -450,7 +452,7 @@ def test_a_skipped_window_raises_a_source_error_on_its_own_rank_and_ends_locally
 def test_a_skipped_window_moves_only_the_per_sample_fields_and_keeps_the_input_intact():
     """`_fields_to` (skipped windows): the per-sample fields at the given paths go to the device, the
     rest (global metadata) stays where it is, and the caller's dicts are not modified."""
-    from reorder.exchange.exchanger import _fields_to
+    from reorder.exchange.round import _fields_to
 
     g = windows_for(6, 4, 1)[0]
     g["global_scale"] = torch.ones(2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 
@@ -50,8 +51,16 @@ class Grid:
         return group // self.groups_per_rank
 
 
+def check_micro_batch_size(micro_batch_size: int, groups: int) -> None:
+    """B, the global micro-batch (`micro_batch_size`), must be a positive multiple of G so every
+    group gets B/G samples."""
+    if micro_batch_size < 1 or micro_batch_size % groups:
+        raise ValueError(f"micro_batch_size={micro_batch_size} (B, the global micro-batch) is not a positive "
+                         f"multiple of the canonical grid G={groups}: choose B as a multiple of lcm(DP sizes)")
+
+
 def check_global_batch(global_batch: int, groups: int) -> None:
-    """B must be a positive multiple of G so every group gets B/G samples."""
-    if global_batch < 1 or global_batch % groups:
-        raise ValueError(f"global micro-batch size B={global_batch} is not a positive multiple of the "
-                         f"canonical grid G={groups}: choose B as a multiple of lcm(DP sizes)")
+    """Deprecated name of `check_micro_batch_size` (renamed names are accepted, with a
+    DeprecationWarning, until release 0.3)."""
+    warnings.warn("check_global_batch is deprecated: use check_micro_batch_size", DeprecationWarning, stacklevel=2)
+    check_micro_batch_size(global_batch, groups)

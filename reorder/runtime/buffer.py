@@ -166,7 +166,7 @@ class ReorderingBuffer(_Consumption):
                  log_all_ranks: bool = False):
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead={ahead!r} is invalid: windows prepared ahead of the consumer must be an integer >= 1")
-        self._source = self._consumption(source, exchanger.global_batch, exchanger.window_size)
+        self._source = self._consumption(source, exchanger.micro_batch_size, exchanger.window_size)
         self._ex = exchanger
         self.ahead = ahead
         self._ready: deque = deque()
