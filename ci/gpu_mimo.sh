@@ -9,6 +9,18 @@
 # machine returns only a few).
 # Knobs: SOAK_ITERS (1000), SOAK_SECONDS (per-combo cap, s), PARITY_ITERS (30), HETERO_ITERS (10: noncoloc
 # and hetero, each followed by a resume of as many iterations), HETERO_SOAK_ITERS (300), JOB_TIMEOUT (s).
+# MIMO_SET picks the batch: base (default: the jobs above), tp_pp (tensor and pipeline parallelism:
+# reorder off vs on with loss parity, image-embedding checksums across the bridge, TP peers
+# byte-identical, PP stages in one order, bit-identical resume), tp_pp_soak (their soaks, overlap on
+# and off, TP_PP_SOAK_ITERS iterations each, 300 by default; a CUDA_DEVICE_MAX_CONNECTIONS=1 soak
+# where overlap must be refused), or all. The TP/PP layouts (ranks):
+#   coloc_tp2   colocated tp 2 x dp 2, the encoder on the same grid                      4
+#   tp2         encoder dp 2 + language tp 2 x dp 2                                      2 + 4 = 6
+#   pp2         encoder dp 2 + language pp 2 x dp 2 (1F1B, P2P between the stages)        2 + 4 = 6
+#   enctp2      encoder tp 2 x dp 2 + language dp 4 (fan-out 2)                          4 + 4 = 8
+#   combo       encoder tp 2 x dp 1 + language pp 3 x dp 2 (fan-out 2, a middle stage)   2 + 6 = 8
+# MAX_RANKS (0: no limit) holds a job back until the running jobs' ranks leave room for it; ONLY (an
+# extended regex) runs the jobs whose names match, e.g. ONLY='soak_(pp2|combo)'.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -25,14 +37,30 @@ SUITE=functional_tests/mimo_suite.py
 ${PYTHON:-python3} -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())" \
   > "$LOG/mimo_logs/versions.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG/mimo_logs/versions.txt" 2>/dev/null
+MIMO_SET=${MIMO_SET:-base}
+MAX_RANKS=${MAX_RANKS:-0}
+TP_PP_SOAK_ITERS=${TP_PP_SOAK_ITERS:-300}
+case "$MIMO_SET" in base|tp_pp|tp_pp_soak|all) ;; *) echo "MIMO_SET=$MIMO_SET: base, tp_pp, tp_pp_soak or all" >&2; exit 2 ;; esac
+declare -A RUNNING=()  # pid -> ranks of the jobs started
+running_ranks() {
+  local used=0 pid
+  for pid in "${!RUNNING[@]}"; do kill -0 "$pid" 2>/dev/null && used=$(( used + RUNNING[$pid] )); done
+  echo $used
+}
 job() {  # name, ranks, suite arguments... ; runs in the background (JOB_ENV: extra VAR=value settings)
   local name=$1 nproc=$2; shift 2
+  if [ -n "${ONLY:-}" ] && ! [[ $name =~ ^($ONLY)$ ]]; then return; fi
+  if [ "$MAX_RANKS" -gt 0 ]; then
+    while used=$(running_ranks) && [ "$used" -gt 0 ] && [ $(( used + nproc )) -gt "$MAX_RANKS" ]; do sleep 2; done
+  fi
   ( t0=$(date +%s)
     env ${JOB_ENV:-} timeout -k 10 "$JOB_TIMEOUT" torchrun --standalone --nproc-per-node "$nproc" $SUITE "$@" \
       --device "$DEV" --json "$LOG/mimo_logs/$name.json" > "$LOG/mimo_logs/$name.log" 2>&1
     rc=$?
     echo "$name rc=$rc $(( $(date +%s) - t0 ))s ranks=$nproc" >> "$LOG/mimo_logs/rc.txt" ) &
+  RUNNING[$!]=$nproc
 }
+if [ "$MIMO_SET" = base ] || [ "$MIMO_SET" = all ]; then
 job parity     2 parity --iters "$PARITY_ITERS"
 job resume     2 resume --resume-at 5 --iters 5 --windows 2 --overlaps on --dataset 48
 job noncoloc   2 noncoloc --iters "$HETERO_ITERS"
@@ -48,6 +76,36 @@ JOB_ENV=CUDA_DEVICE_MAX_CONNECTIONS=1 job soak_cdmc1 2 soak --micro-batches 1 --
     --overlaps off --weights 0.5 --combo-seconds $(( SOAK_SECONDS * 2 ))
 job soak_hetero_2x4 6 soak --encoder-dp 2 --language-dp 4 --iters "$HETERO_SOAK_ITERS" --windows 2 --overlaps on off \
     --weights 0.5 --combo-seconds "$SOAK_SECONDS"
+fi
+# the TP/PP layouts: name, ranks, layout arguments
+TP_PP_LAYOUTS=(
+  "coloc_tp2 4 --language-tp 2"
+  "tp2 6 --encoder-dp 2 --language-tp 2 --language-dp 2"
+  "pp2 6 --encoder-dp 2 --language-pp 2 --language-dp 2"
+  "enctp2 8 --encoder-tp 2 --encoder-dp 2 --language-dp 4"
+  "combo 8 --encoder-tp 2 --encoder-dp 1 --language-pp 3 --language-dp 2"
+)
+if [ "$MIMO_SET" = tp_pp ] || [ "$MIMO_SET" = all ]; then
+  for spec in "${TP_PP_LAYOUTS[@]}"; do
+    read -r name nproc layout <<< "$spec"
+    if [ "$name" = coloc_tp2 ]; then  # colocated: parity and resume are separate tests
+      job "parity_$name" "$nproc" parity $layout --iters "$PARITY_ITERS"
+      job "resume_$name" "$nproc" resume $layout --resume-at 5 --iters 5 --windows 2 --overlaps on --dataset 48
+    else  # non-colocated: off vs on, checksums, the misaligned control, then a resume
+      job "hetero_$name" "$nproc" hetero $layout --iters "$HETERO_ITERS"
+    fi
+  done
+fi
+if [ "$MIMO_SET" = tp_pp_soak ] || [ "$MIMO_SET" = all ]; then
+  for spec in "${TP_PP_LAYOUTS[@]}"; do
+    read -r name nproc layout <<< "$spec"
+    job "soak_$name" "$nproc" soak $layout --iters "$TP_PP_SOAK_ITERS" --windows 2 --overlaps on off --weights 0.5 \
+        --combo-seconds "$SOAK_SECONDS"
+  done
+  # overlap refused under CUDA_DEVICE_MAX_CONNECTIONS=1, then the synchronous exchange next to the 1F1B schedule
+  JOB_ENV=CUDA_DEVICE_MAX_CONNECTIONS=1 job soak_pp2_cdmc1 6 soak --encoder-dp 2 --language-pp 2 --language-dp 2 \
+      --iters "$TP_PP_SOAK_ITERS" --windows 2 --overlaps off --weights 0.5 --combo-seconds $(( SOAK_SECONDS * 2 ))
+fi
 wait
 ${PYTHON:-python3} functional_tests/mimo_suite.py --summarize "$LOG/mimo_logs" > "$LOG/mimo_summary.txt" 2>&1
 status=$?
