@@ -18,7 +18,7 @@ import torch.distributed as dist
 from bench.common import Count, init_torchrun, median_ms, synchronizer
 from reorder import CostModel, Grid, WindowExchanger
 
-from reorder.batch.blocks import take
+from reorder.cli.synthetic import take
 from reorder.plan.window import plan_window
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
@@ -26,6 +26,7 @@ from reorder.exchange.dist import build_groups
 from reorder.plan import wire
 from reorder.plan.counts import COLUMNS
 from reorder.batch.layout import grid_thw_of, tensors
+from reorder.batch.counting import count_samples
 
 
 _sync = synchronizer()  # the current GPU's, when there is one
@@ -194,7 +195,7 @@ def main():
         order = plan_window(*plan_args).orders[0]
         dp1_parts[mb] = dict(
             prepare=timed(lambda: loc.round._prepare([g]), args.reps * 4),
-            counts=timed(lambda: cost.counts(g["input_ids"], g.get("attention_mask"), grid_thw=grid_thw_of(g)), args.reps * 4),
+            counts=timed(lambda: count_samples(cost, g["input_ids"], g.get("attention_mask"), grid_thw=grid_thw_of(g)), args.reps * 4),
             plan=timed(lambda: plan_window(*plan_args), args.reps * 4),
             take=timed(lambda: take(win.layout, [win.shards[0]], order, dev), args.reps * 4))
         # from pinned host memory (a data loader's batch): the whole dp-1 exchange, which lands on the

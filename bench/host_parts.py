@@ -37,6 +37,7 @@ from reorder.exchange.executors import check_bounds, launch_table  # noqa: E402
 from reorder.plan.counts import SampleCounts  # noqa: E402
 from reorder.plan.moves import build_moves  # noqa: E402
 from reorder.plan.window import plan_window  # noqa: E402
+from reorder.batch.counting import count_samples
 
 
 def _library(fn) -> str:
@@ -128,7 +129,7 @@ def parts(args, dev, batches) -> dict:
     k = iter(range(10**9))
     timed = {
         "window": lambda: ex.exchange([batches[next(k) % len(batches)]]),
-        "count": lambda: COST.counts(b["input_ids"], b["attention_mask"], grid_thw=grid_thw_of(b)),
+        "count": lambda: count_samples(COST, b["input_ids"], b["attention_mask"], grid_thw=grid_thw_of(b)),
         "describe": lambda: describe(b, args.micro_batch, vision_start_token_id=COST.vision_start_token_id,
                                      image_counts=torch.from_numpy(counts.images[0].copy())),
         "prepare": lambda: ex.round._prepare([b]),

@@ -27,6 +27,7 @@ from reorder.plan.grid import Grid
 from reorder.batch.layout import field_at, tensors
 from reorder.batch.blocks import resolved
 from spec.samples import per_sample_bytes
+from reorder.batch.counting import count_samples
 
 
 def main():
@@ -54,8 +55,8 @@ def main():
         pinned = [pin(g) for g in host]
         for k, (g, d) in enumerate(zip(host, on_dev)):
             thw = "modality_inputs", "images", "vit", "grid_thw"
-            on_host = cost.counts(g["input_ids"], g["attention_mask"], grid_thw=field_at(g, thw))
-            on_device = cost.counts(d["input_ids"], d["attention_mask"], grid_thw=field_at(d, thw))
+            on_host = count_samples(cost, g["input_ids"], g["attention_mask"], grid_thw=field_at(g, thw))
+            on_device = count_samples(cost, d["input_ids"], d["attention_mask"], grid_thw=field_at(d, thw))
             counted += 1
             if not all(np.array_equal(a, b) for a, b in zip(on_host, on_device)):
                 bad.append(f"mb {mb} batch {k}: counts on {dev} differ from the host's")

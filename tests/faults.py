@@ -24,7 +24,7 @@ SUITES = {
                   "costs, groups: a balancer gets them as given, plan_orders as one slot, costs[None]"),
     "cost": ("tests/test_grid_cost_plan.py::test_cost_model_refuses_bad_fields_on_every_rank",
              "corrupt: callable(share) -> share, applied to rank 1's share of rank_shares(2); seen first by "
-             "CostModel().counts on it, then by both ranks of an emulated dp-2 exchange"),
+             "count_samples(CostModel(), ...) on it, then by both ranks of an emulated dp-2 exchange"),
     "emulated": ("tests/test_exchange_emulated.py::test_fault_case",
                  "dp (2); shares: zero-argument callable giving every rank's micro-batch (default "
                  "rank_shares(dp)); config: {rank: WindowExchanger kwargs}; source_error: {rank: exception "
@@ -197,7 +197,7 @@ def _balancer_case(name, input, costs, groups, balancer_msg, plan_msg):
 
 def _cost_case(name, input, message, corrupt):
     return FaultCase(name, "cost", where="rank 1's micro-batch (2 samples of 192 tokens; emulated dp 2)", input=input,
-                     sees=(Seen("CostModel.counts on it", "ValueError", message, "equals"),
+                     sees=(Seen("count_samples on it", "ValueError", message, "equals"),
                            Seen(EVERY, "ReorderError", ("reorder failed on rank 1: ", message))),
                      params=dict(corrupt=corrupt))
 

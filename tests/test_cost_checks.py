@@ -1,6 +1,6 @@
 """Input checks of the grid and the cost model, word for word, on every bad input they must refuse
 (and the good inputs next to them they must accept); the quadratic cost through the public
-`CostModel.counts` path against the spec's `sample_cost`, and a plan it changes."""
+`count_samples` path against the spec's `sample_cost`, and a plan it changes."""
 
 import math
 
@@ -11,6 +11,7 @@ import torch
 from reorder import CostModel, Grid, canonical_grid, plan_orders
 from reorder.plan.grid import check_global_batch, check_micro_batch_size
 from spec import reference as ref
+from reorder.batch.counting import count_samples, token_counts
 
 WEIGHTS = ("encoder_weight", "language_weight", "encoder_quadratic_weight", "language_quadratic_weight",
            "encoder_image_weight")
@@ -119,9 +120,9 @@ def test_spatial_merge_size_one_is_valid():
 
 def test_costs_need_the_counts_of_their_terms():
     assert message(lambda: CostModel(encoder_weight=0.0, encoder_quadratic_weight=1.0).costs([1], [0])) == \
-        "encoder_quadratic_weight > 0 needs square_patches (CostModel.square_patches)"
+        "encoder_quadratic_weight > 0 needs square_patches (reorder.batch.counting.square_patches)"
     assert message(lambda: CostModel(encoder_image_weight=2.0).costs([1], [0], [0])) == \
-        "encoder_image_weight > 0 needs the per-sample image counts (CostModel.token_counts)"
+        "encoder_image_weight > 0 needs the per-sample image counts (reorder.batch.counting.token_counts)"
     # a term whose weight is 0 needs nothing
     assert CostModel().costs([1, 2], [5, 5]).tolist() == [4.0, 8.0]
 
@@ -134,7 +135,7 @@ def test_each_term_alone_against_the_spec(merge):
         for w in (1.0, 0.5, 3.0):
             m = CostModel(**{**dict.fromkeys(WEIGHTS, 0.0), name: w}, image_token_id=7, vision_start_token_id=9,
                           spatial_merge_size=merge)
-            counts, _ = m.counts(torch.tensor(ids), torch.tensor(mask), squares=True)
+            counts, _ = count_samples(m, torch.tensor(ids), torch.tensor(mask), squares=True)
             got = m.costs(counts[0], counts[1], counts[3], counts[2])
             want = [ref.sample_cost(i, a, image_token_id=7, spatial_merge_size=merge, vision_start_token_id=9,
                                     **{**dict.fromkeys(WEIGHTS, 0.0), name: w}) for i, a in zip(ids, mask)]
@@ -161,22 +162,22 @@ def test_counts_default_squares_follow_the_quadratic_weight():
     patches, real, squares = spec_counts()
     assert squares == [256.0, 128.0, 0.0, 64.0]
     quad = CostModel(encoder_quadratic_weight=1.0, image_token_id=7, vision_start_token_id=9)
-    counts, grid = quad.counts(IDS, MASK)
+    counts, grid = count_samples(quad, IDS, MASK)
     assert counts.dtype == np.int64 and counts.shape == (4, 4) and grid is None
     assert (counts[0] * 4).tolist() == patches and counts[1].tolist() == real and counts[3].tolist() == squares
     linear = CostModel(image_token_id=7, vision_start_token_id=9)
-    counts, _ = linear.counts(IDS, MASK)
+    counts, _ = count_samples(linear, IDS, MASK)
     assert counts[3].tolist() == [0, 0, 0, 0]
-    counts, _ = linear.counts(IDS, MASK, squares=True)
+    counts, _ = count_samples(linear, IDS, MASK, squares=True)
     assert counts[3].tolist() == squares
-    counts, _ = quad.counts(IDS, MASK, squares=False)
+    counts, _ = count_samples(quad, IDS, MASK, squares=False)
     assert counts[3].tolist() == [0, 0, 0, 0]
 
 
 def test_counts_carry_grid_thw_on_the_host_path():
     m = CostModel(encoder_quadratic_weight=1.0, image_token_id=7, vision_start_token_id=9)
     grid = torch.tensor([[1, 4, 4], [1, 2, 2], [1, 2, 2], [2, 6, 8]], dtype=torch.int32)
-    counts, g = m.counts(IDS, MASK, squares=True, grid_thw=grid)
+    counts, g = count_samples(m, IDS, MASK, squares=True, grid_thw=grid)
     assert isinstance(g, np.ndarray) and g.dtype == np.int64 and g.shape == (4, 3)
     assert g.tolist() == grid.tolist()
     assert counts[3].tolist() == spec_counts()[2]
@@ -186,7 +187,7 @@ def test_counts_carry_grid_thw_on_the_host_path():
                                    torch.uint8, torch.int32, torch.int64])
 def test_every_mask_dtype_counts_the_same_real_tokens(dtype):
     m = CostModel(language_weight=1.0, image_token_id=7, vision_start_token_id=9)
-    counts, _ = m.counts(IDS, MASK.to(dtype))
+    counts, _ = count_samples(m, IDS, MASK.to(dtype))
     assert counts[1].tolist() == spec_counts()[1] == [6.0, 8.0, 3.0, 8.0]
 
 
@@ -201,7 +202,7 @@ def test_the_quadratic_term_changes_the_plan():
     plans = {}
     for q in (0.0, 0.25):
         model = CostModel(encoder_quadratic_weight=q, **kw)
-        counts, _ = model.counts(ids, mask)
+        counts, _ = count_samples(model, ids, mask)
         costs = model.costs(counts[0], counts[1], counts[3], counts[2])
         want = [ref.sample_cost(i, a, encoder_weight=1.0, language_weight=0.0, encoder_quadratic_weight=q,
                                 spatial_merge_size=2, **kw) for i, a in zip(ids.tolist(), mask.tolist())]
@@ -230,12 +231,12 @@ def test_costs_are_float64_whatever_array_the_counts_come_in(kind):
     assert want[0] == 0.3 * (50000 * 9.0) + 0.7 * 40000.0 + 0.1 * 3.0 + 0.1 * 50000.0 + 0.3 * (50000.0 * 50000.0)
 
 
-def test_count_array_is_the_first_three_count_rows():
+def test_token_counts_are_the_first_three_count_rows():
     m = CostModel(language_weight=1.0, encoder_quadratic_weight=1.0, image_token_id=7, vision_start_token_id=9)
-    got = m.count_array(IDS, MASK)
+    got = count_samples(m, IDS, MASK, squares=False)[0][:3]
     patches, real, _ = spec_counts()
     assert isinstance(got, np.ndarray) and got.dtype == np.int64 and got.shape == (3, 4)
     assert (got[0] * 4).tolist() == patches and got[1].tolist() == real
     assert got[2].tolist() == [0, 0, 2, 0]
-    p, r, images = m.token_counts(IDS, MASK)
+    p, r, images = token_counts(m, IDS, MASK)
     assert [p.tolist(), r.tolist(), images.tolist()] == got.tolist()

@@ -13,6 +13,7 @@ from reorder import CostModel, Grid, ReorderError, WindowExchanger, run_emulated
 from support import harness
 from reorder.cli import synthetic as syn
 from spec.samples import per_sample_bytes
+from reorder.batch.counting import token_counts
 
 LAYOUTS = [(1, 2), (2, 4), (2, 3), (1, 4), (4, 8), (3, 6)]
 COST = CostModel()
@@ -298,7 +299,7 @@ def test_cross_slot_mode_balances_the_window_and_keeps_every_invariant_but_i7(dp
     g = lcm(*dps)
     B = 2 * g
     batches = windows_for(sum(dps) + slots, B, slots)
-    flat_costs = [c for b in batches for c in COST.costs(*[x.numpy() for x in COST.token_counts(b["input_ids"], None)[:2]])]
+    flat_costs = [c for b in batches for c in COST.costs(*[x.numpy() for x in token_counts(COST, b["input_ids"], None)[:2]])]
     want = ref.lpt_order([float(c) for c in flat_costs], g * slots)  # positions: slot-major, then group
     all_ids = [i for b in batches for i in b["sample_id"].tolist()]
     sent = {}
@@ -387,7 +388,7 @@ def test_gate_backoff_skips_the_same_windows_on_every_rank_and_module(seed, max_
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
     would_gate = []
     for (g,) in stream:
-        counts = cost.token_counts(g["input_ids"], None)
+        counts = token_counts(cost, g["input_ids"], None)
         costs = cost.costs(counts[0].numpy(), counts[1].numpy(), None, counts[2].numpy())[None]
         would_gate.append(bool(plan.plan_gated_orders(costs, groups, "balanced", None, threshold)[1].all()))
     want = reference.gate_backoff_skips(would_gate, max_skip)

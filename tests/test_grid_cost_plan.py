@@ -14,6 +14,7 @@ from reorder import CostModel, Grid, ReorderError, WindowExchanger, canonical_gr
 from reorder.batch import counting
 from reorder.plan.balancers import lpt
 from spec import reference as ref
+from reorder.batch.counting import count_samples, square_patches, token_counts
 
 
 class Golden(TestCase):
@@ -51,10 +52,10 @@ class Golden(TestCase):
             CostModel(encoder_weight=0.0, language_weight=0.0)
         self.assertExpectedInline(str(e.exception), """encoder_weight=0 and language_weight=0: at least one cost weight must be > 0""")
         with self.assertRaises(ValueError) as e:
-            CostModel(language_weight=0.5).token_counts(torch.zeros(2, 4, dtype=torch.long), None)
+            token_counts(CostModel(language_weight=0.5), torch.zeros(2, 4, dtype=torch.long), None)
         self.assertExpectedInline(str(e.exception), """attention_mask is missing but language_weight=0.5: load attention_mask on every rank or set the language cost weights to 0""")
         with self.assertRaises(ValueError) as e:
-            CostModel().token_counts(torch.zeros(4, dtype=torch.long), None)
+            token_counts(CostModel(), torch.zeros(4, dtype=torch.long), None)
         self.assertExpectedInline(str(e.exception), """input_ids has shape (4,): expected [B, S]""")
 
 
@@ -62,13 +63,13 @@ class Golden(TestCase):
 def test_cost_model_refuses_bad_fields_on_every_rank(case):
     """A wrong input_ids dtype (bfloat16 raised "Got unsupported ScalarType BFloat16", naming neither
     the field nor the fix) or a bad attention_mask (dtype, shape, values other than 0/1) on one rank:
-    CostModel.counts raises a ValueError naming the field and the value, and in an exchange every
+    count_samples raises a ValueError naming the field and the value, and in an exchange every
     rank of the DP group raises the same ReorderError carrying it (run_emulated, dp 2)."""
     shares = faults.rank_shares(2)
     shares[1] = case.params["corrupt"](shares[1])
     local, everywhere = case.sees
     with pytest.raises(ValueError) as e:
-        CostModel().counts(shares[1]["input_ids"], shares[1]["attention_mask"])
+        count_samples(CostModel(), shares[1]["input_ids"], shares[1]["attention_mask"])
     local.check(e.value)
 
     def rank(r, coll):
@@ -81,12 +82,12 @@ def test_cost_model_refuses_bad_fields_on_every_rank(case):
 
 
 def test_every_counting_entry_checks_the_fields():
-    """token_counts, count_array and square_patches check input_ids too; the device path (run here on
+    """token_counts, count_samples and square_patches check input_ids too; the device path (run here on
     CPU tensors) checks the mask values inside its one host copy; bool masks and float 0/1 masks pass."""
     ids = torch.tensor([[5, 7, 7, 9]])
     m = CostModel(image_token_id=7, vision_start_token_id=9)
-    for call in (lambda: m.token_counts(ids.float(), None), lambda: m.count_array(ids.half(), None),
-                 lambda: m.square_patches(ids.to(torch.bool))):
+    for call in (lambda: token_counts(m, ids.float(), None), lambda: count_samples(m, ids.half(), None),
+                 lambda: square_patches(m, ids.to(torch.bool))):
         with pytest.raises(ValueError, match=r"^input_ids has dtype torch\.(float32|float16|bool): it must hold integer"):
             call()
     mask = torch.tensor([[1, 1, 2, 0]])
@@ -97,7 +98,7 @@ def test_every_counting_entry_checks_the_fields():
         for ok in (mask.clamp(max=1).bool(), mask.clamp(max=1).to(torch.bfloat16), torch.tensor([[0.0, 1, 1, 0]])):
             assert path(m, ids, ok, False, None)[0][1].tolist() == [int(ok.count_nonzero())]
     with pytest.raises(ValueError, match=r"^attention_mask must be a \[B, S\] tensor; got list"):
-        m.token_counts(ids, [[1, 1, 1, 1]])
+        token_counts(m, ids, [[1, 1, 1, 1]])
 
 
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())
@@ -120,7 +121,7 @@ def test_cost_matches_spec(b, s, ew, lw, merge, data):
     mask = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=s, max_size=s), min_size=b, max_size=b)))
     m = CostModel(encoder_weight=ew, language_weight=lw, image_token_id=7, vision_start_token_id=9,
                   spatial_merge_size=merge)
-    p, r, _ = m.token_counts(ids, mask)
+    p, r, _ = token_counts(m, ids, mask)
     got = m.costs(p.numpy(), r.numpy())
     want = [ref.sample_cost(ids[i].tolist(), mask[i].tolist(), image_token_id=7, spatial_merge_size=merge,
                             encoder_weight=ew, language_weight=lw) for i in range(b)]
@@ -159,8 +160,8 @@ def test_quadratic_cost_matches_spec(b, s, ew, eq, lw, lq, ei, merge, data):
     mask = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 1), min_size=s, max_size=s), min_size=b, max_size=b)))
     m = CostModel(encoder_weight=ew, language_weight=lw, encoder_quadratic_weight=eq, language_quadratic_weight=lq,
                   encoder_image_weight=ei, image_token_id=7, vision_start_token_id=9, spatial_merge_size=merge)
-    p, r, images = m.token_counts(ids, mask)
-    got = m.costs(p.numpy(), r.numpy(), m.square_patches(ids).numpy(), images.numpy())
+    p, r, images = token_counts(m, ids, mask)
+    got = m.costs(p.numpy(), r.numpy(), square_patches(m, ids).numpy(), images.numpy())
     want = [ref.sample_cost(ids[i].tolist(), mask[i].tolist(), image_token_id=7, spatial_merge_size=merge,
                             encoder_weight=ew, language_weight=lw, encoder_quadratic_weight=eq,
                             language_quadratic_weight=lq, encoder_image_weight=ei, vision_start_token_id=9)
@@ -200,7 +201,7 @@ def test_quadratic_cost_golden():
     # two images of 2 and 3 placeholders (merge 2: 8 and 12 patches) -> 8^2 + 12^2 = 208
     ids = torch.tensor([[7, 7, 5, 7, 7, 7], [5, 5, 5, 5, 5, 5]])
     m = CostModel(encoder_weight=0.0, encoder_quadratic_weight=1.0, image_token_id=7, vision_start_token_id=9)
-    assert m.square_patches(ids).tolist() == [208, 0]
+    assert square_patches(m, ids).tolist() == [208, 0]
     with pytest.raises(ValueError, match="needs square_patches"):
         m.costs([5, 0], [0, 0])
 

@@ -16,7 +16,7 @@ import torch
 
 from reorder.batch.layout import BatchLayout, DenseField, Shard
 from reorder.plan.counts import SampleCounts
-from reorder.plan.moves import ByteField, take_moves
+from reorder.plan.moves import ByteField
 
 
 def byte_fields(layout: BatchLayout) -> tuple:
@@ -114,22 +114,6 @@ def shard_counts(shard: Shard, blobs: list) -> SampleCounts:
     return SampleCounts.of(rows=zeros if shard.row_counts is None else shard.row_counts,
                            images=zeros if shard.image_counts is None else shard.image_counts,
                            list_bytes=np.array([len(b) for b in blobs], dtype=np.int64).reshape(-1) if blobs else zeros)
-
-
-def take(layout: BatchLayout, shards: list, index, device: torch.device | str | None = None) -> Shard:
-    """Samples `index` (into the concatenation of `shards`; repeats and subsets allowed) as a new
-    shard of views into one block on `device` (None: where the first shard's input_ids lives)."""
-    from reorder.exchange.executors import select_executor  # the executor is chosen per device
-
-    layout = layout.resolved()  # a field left "any" (no image, or one row each) packs alike either way
-    blobs = [s.list_blobs() if layout.lists else [] for s in shards]
-    counts = SampleCounts(np.concatenate([shard_counts(s, b).table for s, b in zip(shards, blobs)]))
-    moves = take_moves(byte_fields(layout), counts, [s.n for s in shards], index)
-    dev = torch.device(device) if device is not None else next(iter(shards[0].dense.values())).device
-    sources = [t if t.device == dev else t.to(dev) for s, b in zip(shards, blobs) for t in field_buffers(layout, s, b)]
-    block = torch.empty(moves.block_bytes, dtype=torch.uint8, device=dev)
-    select_executor(dev).run(moves.segments, sources, [block])
-    return view_block(layout, block, moves.regions, moves.out_counts)
 
 
 def resolved(device: torch.device | None) -> torch.device | None:

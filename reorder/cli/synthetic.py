@@ -8,8 +8,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reorder.batch.blocks import take
-from reorder.batch.layout import describe, rebuild
+from reorder.batch.blocks import byte_fields, field_buffers, shard_counts, view_block
+from reorder.batch.layout import BatchLayout, Shard, describe, rebuild
+from reorder.exchange.executors import select_executor
+from reorder.plan.counts import SampleCounts
+from reorder.plan.moves import take_moves
 
 IMAGE_TOKEN = 248056
 VISION_START = 248053
@@ -96,6 +99,20 @@ def take_samples(batch: dict, index, *, vision_start_token_id: int = VISION_STAR
     """A micro-batch holding samples `index` of `batch` (vision rows follow their samples)."""
     layout, shard = describe(batch, batch["input_ids"].shape[0], vision_start_token_id=vision_start_token_id)
     return rebuild(batch, layout, take(layout, [shard], index))
+
+
+def take(layout: BatchLayout, shards: list, index, device: torch.device | str | None = None) -> Shard:
+    """Samples `index` (into the concatenation of `shards`; repeats and subsets allowed) as a new
+    shard of views into one block on `device` (None: where the first shard's input_ids lives)."""
+    layout = layout.resolved()  # a field left "any" (no image, or one row each) packs alike either way
+    blobs = [s.list_blobs() if layout.lists else [] for s in shards]
+    counts = SampleCounts(np.concatenate([shard_counts(s, b).table for s, b in zip(shards, blobs)]))
+    moves = take_moves(byte_fields(layout), counts, [s.n for s in shards], index)
+    dev = torch.device(device) if device is not None else next(iter(shards[0].dense.values())).device
+    sources = [t if t.device == dev else t.to(dev) for s, b in zip(shards, blobs) for t in field_buffers(layout, s, b)]
+    block = torch.empty(moves.block_bytes, dtype=torch.uint8, device=dev)
+    select_executor(dev).run(moves.segments, sources, [block])
+    return view_block(layout, block, moves.regions, moves.out_counts)
 
 
 def rank_share(batch: dict, dp: int, rank: int) -> dict:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from reorder.batch.counting import count_samples
 from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, read_lists, resolved, unit_bytes
 from reorder.batch.layout import (LayoutError, describe, field_at, first_difference, grid_thw_of, rebuild, unify,
                                   window_layout)
@@ -318,8 +319,8 @@ class WindowRound:
         ids = batch.get("input_ids") if isinstance(batch, dict) else None
         if not isinstance(ids, torch.Tensor):
             raise LayoutError("field 'input_ids' must be a [B, S] tensor on every rank: the cost is computed from it")
-        (placeholders, real, images, sq), grid_thw = self.cost.counts(ids, batch.get("attention_mask"),
-                                                                        grid_thw=grid_thw_of(batch))
+        (placeholders, real, images, sq), grid_thw = count_samples(self.cost, ids, batch.get("attention_mask"),
+                                                                   grid_thw=grid_thw_of(batch))
         if self.image_counts is not None:
             images = _per_sample(self.image_counts(batch), len(placeholders), "image_counts", np.int64)
         layout, shard = describe(batch, self.local_batch, vision_start_token_id=self.cost.vision_start_token_id,

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from reorder.plan.cost import CostModel
+from reorder.batch.counting import square_patches, token_counts
 
 FEATURES = ("patches", "square_patches", "tokens", "square_tokens", "images")
 
@@ -23,10 +24,10 @@ def micro_batch_features(input_ids: torch.Tensor, attention_mask: torch.Tensor |
     """float64 [5]: summed patches, per-image patches^2, real tokens, tokens^2 and images
     (vision-start tokens) of one micro-batch."""
     cost = cost or CostModel()
-    p, r, images = CostModel(encoder_weight=1.0, image_token_id=cost.image_token_id,
-                        vision_start_token_id=cost.vision_start_token_id,
-                        spatial_merge_size=cost.spatial_merge_size).token_counts(input_ids, attention_mask)
-    sq = cost.square_patches(input_ids)
+    p, r, images = token_counts(CostModel(encoder_weight=1.0, image_token_id=cost.image_token_id,
+                                          vision_start_token_id=cost.vision_start_token_id,
+                                          spatial_merge_size=cost.spatial_merge_size), input_ids, attention_mask)
+    sq = square_patches(cost, input_ids)
     merge2 = cost.spatial_merge_size ** 2
     r = r.to(torch.float64)
     return np.array([float(p.sum()) * merge2, float(sq.sum()), float(r.sum()), float((r * r).sum()),

@@ -1,4 +1,5 @@
-"""Per-sample cost model (numbers only; counting tensors lives in reorder.batch.counting) from fields identical on every module and PP stage (input_ids, attention_mask).
+"""Per-sample cost model from counts (numbers in, numbers out; the counts of tensors come from
+`reorder.batch.counting`) of fields identical on every module and PP stage (input_ids, attention_mask).
 
 cost = encoder_weight * patches + encoder_quadratic_weight * sum over images of patches**2
        + encoder_image_weight * images
@@ -43,25 +44,6 @@ class CostModel:
         if not isinstance(self.spatial_merge_size, int) or self.spatial_merge_size < 1:
             raise ValueError(f"spatial_merge_size={self.spatial_merge_size!r} is invalid: must be an integer >= 1")
 
-    def counts(self, input_ids, attention_mask, *, squares: bool | None = None, grid_thw=None) -> tuple:
-        """Per-sample counts of a [B, S] micro-batch: see `reorder.batch.counting.count_samples`."""
-        from reorder.batch.counting import count_samples
-        return count_samples(self, input_ids, attention_mask, squares=squares, grid_thw=grid_thw)
-
-    def token_counts(self, input_ids, attention_mask):
-        """Integer counts per sample: (placeholders, real_tokens, images), each int64 [B] on CPU."""
-        from reorder.batch.counting import token_counts
-        return token_counts(self, input_ids, attention_mask)
-
-    def count_array(self, input_ids, attention_mask) -> np.ndarray:
-        """`token_counts` as one int64 numpy array [3, B] (placeholders, real tokens, images)."""
-        return self.counts(input_ids, attention_mask, squares=False)[0][:3]
-
-    def square_patches(self, input_ids):
-        """int64 [B] on CPU: sum over the sample's images (runs of placeholder tokens) of patches**2."""
-        from reorder.batch.counting import square_patches
-        return square_patches(self, input_ids)
-
     def costs(self, placeholders, real_tokens, square_patches=None, images=None) -> np.ndarray:
         """float64 [B] costs from integer counts (array-like; images = vision-start tokens per
         sample, needed when encoder_image_weight > 0); same bits on every rank."""
@@ -71,11 +53,11 @@ class CostModel:
         cost = self.encoder_weight * (p * merge2)
         if self.encoder_quadratic_weight:
             if square_patches is None:
-                raise ValueError("encoder_quadratic_weight > 0 needs square_patches (CostModel.square_patches)")
+                raise ValueError("encoder_quadratic_weight > 0 needs square_patches (reorder.batch.counting.square_patches)")
             cost = cost + self.encoder_quadratic_weight * np.asarray(square_patches, dtype=np.float64)
         if self.encoder_image_weight:
             if images is None:
-                raise ValueError("encoder_image_weight > 0 needs the per-sample image counts (CostModel.token_counts)")
+                raise ValueError("encoder_image_weight > 0 needs the per-sample image counts (reorder.batch.counting.token_counts)")
             cost = cost + self.encoder_image_weight * np.asarray(images, dtype=np.float64)
         if self.language_weight:
             cost = cost + self.language_weight * r

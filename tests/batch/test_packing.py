@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reorder.batch.blocks import take
+from reorder.cli.synthetic import take
 from reorder.cli import synthetic as syn
 from reorder.batch.layout import LayoutError, Shard, describe, rebuild
 from spec.samples import per_sample_bytes

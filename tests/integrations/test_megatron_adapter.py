@@ -15,6 +15,7 @@ from reorder.cli import synthetic as syn
 from reorder.integrations.config import ReorderConfig
 from reorder.plan.cost import CostModel
 from spec import reference as ref
+from reorder.batch.counting import token_counts
 
 ON = ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=True,
                    megatron_mimo_reorder_overlap=False)
@@ -127,7 +128,7 @@ def test_fields_to_load_every_stage_can_compute_the_cost():
         costs = set()
         for module, stage, pp in [("images", 0, 1), ("language", 0, 4), ("language", 1, 4), ("language", 3, 4)]:
             view = rm.select_fields(g, rm.fields_to_load(module, stage, cfg, pp_size=pp))
-            p, r, _ = cost.token_counts(view["input_ids"], view.get("attention_mask"))
+            p, r, _ = token_counts(cost, view["input_ids"], view.get("attention_mask"))
             costs.add(tuple(cost.costs(p.numpy(), r.numpy())))
         assert len(costs) == 1  # I1: same cost on every module and stage
 
@@ -216,7 +217,7 @@ def _global_batches(n, seed=3):
 
 def _expected_ids(g, cfg, dp, rank, groups):
     cost = CostModel(language_weight=cfg.language_weight)
-    p, r, _ = cost.token_counts(g["input_ids"], g["attention_mask"])
+    p, r, _ = token_counts(cost, g["input_ids"], g["attention_mask"])
     order = ref.lpt_order([float(c) for c in cost.costs(p.numpy(), r.numpy())], groups)
     ids = g["sample_id"].tolist()
     return [ids[i] for i in order[rank * B // dp:(rank + 1) * B // dp]]
