@@ -74,27 +74,37 @@ def lpt(costs: np.ndarray, groups: int) -> np.ndarray:
 # Every loop has a fixed iteration bound (never a wall-clock one): same inputs, same work, same plan.
 # --------------------------------------------------------------------------------------------------
 
-_TOL = 5e-4           # search stops once the max load is within 0.05% of the proven lower bound
-_SMALL = 1024         # G*m*m at or below: swaps against every group, and a second start from LPT
-_SMALL_ITERS = 64     # swap iterations per start on small instances
-_COARSE_MIN = 256     # B at or above: evict-and-refill before the swap rounds
-_PAIR_ROUNDS = 6      # vectorised heaviest/lightest pair rounds
-_BATCH_ROUNDS = 8     # batched swap rounds (large instances)
-_BATCH_WORK = 8192    # swap candidates evaluated per batched round
-_POLISH_ITERS = 8     # single-swap iterations after the batched rounds (large instances)
-_POLISH_WORK = 2048   # swap candidates per polish iteration (sets how many light groups are tried)
-_HOME_ROUNDS = 4      # rounds of "send samples back home" swaps at the end (small instances),
-_HOME_ROUNDS_LARGE = 1  # on large ones below _HOME_MAX_B samples, and none from there: at 1024 x 64
-_HOME_MAX_B = 1024      # one round costs ~0.09 ms and saves ~1% of the samples moved
-_RESPLIT_M = 4       # re-split moves (every partition of two groups' samples) for m up to this
-_RESPLIT_WORK = 12000  # partitions a search may evaluate in re-splits (bounds their time)
+# Tuning constants of `balanced` and of list scheduling, with what each sets (the algorithm's rules,
+# such as exact float sums below 2**32 or the pair-round aim of half the load gap, stay in the code).
+# Search effort and stopping:
+_TOL = 5e-4             # the search stops once the max load is within 0.05% of the proven lower bound
+_EXACT_MARGIN = 1e-12   # float max loads closer than this (relative) are compared with math.fsum
+_SMALL = 1024           # G*m*m at or below: "small", swaps against every group and a second start from LPT
+_SMALL_ITERS = 64       # swap iterations per start on small instances
+_POLISH_ITERS = 8       # single-swap iterations after the batched rounds (large instances)
+_POLISH_WORK = 2048     # swap candidates per polish iteration (sets how many light groups are tried)
+# Phases on large instances:
+_COARSE_MIN = 256       # B at or above: evict-and-refill before the swap rounds
+_PAIR_ROUNDS = 6        # vectorised heaviest/lightest pair rounds
+_BATCH_ROUNDS = 8       # batched swap rounds (large instances only)
+_BATCH_WORK = 8192      # swap candidates evaluated per batched round
+# Sending moved samples back home at the end (at 1024 x 64 one round costs ~0.09 ms and saves ~1%
+# of the samples moved):
+_HOME_ROUNDS = 4        # rounds on small instances
+_HOME_ROUNDS_LARGE = 1  # rounds on large instances below _HOME_MAX_B samples
+_HOME_MAX_B = 1024      # B at or above: no round
+# Re-splits and exact steps:
+_RESPLIT_M = 4          # re-split moves (every partition of two or three groups' samples) for m up to this
+_RESPLIT_WORK = 12000   # partitions one search may evaluate in re-splits (bounds their time)
+_RESPLIT_PARTNERS = 4   # a three-group re-split takes the heaviest group and two of this many lightest
+_RESPLIT_CANDIDATES = 256  # optimal re-splits among which the labelling that keeps most samples home is chosen
 _TWO_GROUP_EXACT_M = 8  # G == 2 and m up to this: one exact two-group re-split is the whole search
-_EXHAUSTIVE_B = 10    # B at or below: every partition is tried, the max load is the optimum
-_EXACT_MARGIN = 1e-12  # float max loads closer than this (relative) are compared with math.fsum
-_FILTER_MIN_P = 1000  # re-splits of two groups over at least this many partitions filter by approximate loads
-_FILTER_TOL = 1e-11   # the filter's margin, relative to the row total: far above its approximation error
-_ROUNDS_MIN_G = 256  # groups with room at or above: list scheduling by rounds of array operations
-_SHORT_ROUND = 8     # a round of fewer than G / this samples hands the next G samples to the heap
+_EXHAUSTIVE_B = 10      # B at or below: every partition is tried, the max load is the optimum
+_FILTER_MIN_P = 1000    # two-group re-splits over at least this many partitions filter by approximate loads
+_FILTER_TOL = 1e-11     # the filter's margin, relative to the row total: far above its approximation error
+# List scheduling (LPT and the refill), the same result either way:
+_ROUNDS_MIN_G = 256     # groups with room at or above: by rounds of array operations, else a heap
+_SHORT_ROUND = 8        # a round of fewer than G / this samples hands the next G samples to the heap
 
 
 def _row_sums(C: np.ndarray) -> np.ndarray:
@@ -594,14 +604,14 @@ def _resplit(M, C, L, k, budget):
         return False
     order = np.argsort(L, kind="stable")
     h = int(order[-1])
-    pool = order[:-1] if k == 2 else order[:min(G - 1, 4)]       # any partner; pairs of the 4 lightest
+    pool = order[:-1] if k == 2 else order[:min(G - 1, _RESPLIT_PARTNERS)]   # any partner; pairs of the lightest
     combos = np.array([(h,) + t for t in itertools.combinations(pool.tolist(), k - 1)])
     P = _partitions(k, m)
     if len(combos) * len(P) > budget[0]:
         return False
     budget[0] -= len(combos) * len(P)
     U = C[combos].reshape(len(combos), k * m)
-    best, ti, pi = _best_partitions(U, k, m, 256)
+    best, ti, pi = _best_partitions(U, k, m, _RESPLIT_CANDIDATES)
     if not best < L[h]:
         return False
     ids = M[combos].reshape(len(combos), k * m)
