@@ -37,6 +37,11 @@ class WindowExchanger:
     sample_costs: `micro-batch -> B/dp finite costs >= 0`, used instead of the cost model (from fields
     every module holds, so every module plans alike); they travel bit for bit in the window frame.
     image_counts: `micro-batch -> B/dp image counts`, instead of counting vision-start tokens.
+    verify: the runtime self-check, 0 (off), 1 (every window) or N (every N-th): each sender's
+    per-sample, per-field checksums travel in the window frame; each receiver checks what it
+    assembled against them, and a mismatch raises ReorderError on every rank of the group at the
+    next window (or at the end of the stream), naming window, micro-batch, sample, field and source
+    rank (`reorder.batch.checksum`).
     """
 
     def __init__(self, *, grid: Grid, micro_batch_size: int, cost: CostModel, balancer: str = "balanced",
@@ -44,12 +49,13 @@ class WindowExchanger:
                  device: torch.device | str | None = None, profile_stages: bool = False,
                  min_gain: float | None = None, min_saving: float | None = None, shadow: bool = False,
                  cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0,
-                 sample_costs=None, image_counts=None):
+                 sample_costs=None, image_counts=None, verify: int = 0):
         self.round = WindowRound(grid=grid, micro_batch_size=micro_batch_size, cost=cost, balancer=balancer,
                                  window_size=window_size, batch_dims=batch_dims, device=device,
                                  profile_stages=profile_stages, min_gain=min_gain, min_saving=min_saving,
                                  shadow=shadow, cross_slot=cross_slot, early_copy=early_copy,
-                                 gate_backoff=gate_backoff, sample_costs=sample_costs, image_counts=image_counts)
+                                 gate_backoff=gate_backoff, sample_costs=sample_costs, image_counts=image_counts,
+                                 verify=verify)
         if grid.dp > 1 and collectives is None:
             raise ValueError(f"dp={grid.dp} needs collectives over the module's DP group")
         if collectives is not None and (collectives.size != grid.dp or collectives.rank != grid.rank):
@@ -70,6 +76,7 @@ class WindowExchanger:
     shadow = property(lambda self: self.round.settings.shadow)
     cross_slot = property(lambda self: self.round.settings.cross_slot)
     gate_backoff = property(lambda self: self.round.backoff.cap)
+    verify = property(lambda self: self.round.verify)
     skips_next = property(lambda self: self.round.skips_next,
                           doc="The next window will be skipped by the gate backoff (no collective, nothing to overlap).")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from reorder.batch.checksum import checksums
 from reorder.batch.counting import count_samples
 from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, read_lists, resolved, unit_bytes
 from reorder.batch.layout import (LayoutError, describe, field_at, first_difference, grid_thw_of, rebuild, unify,
@@ -37,6 +38,7 @@ from reorder.exchange.executors import select_executor
 from reorder.exchange.placement import Placement, place
 from reorder.plan import wire
 from reorder.plan.backoff import Backoff
+from reorder.plan.checksums import CHECKED_FIELDS, sample_regions
 from reorder.plan.cost import CostModel
 from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.grid import Grid, check_micro_batch_size
@@ -114,6 +116,8 @@ class _Pending:
     sources: list | None = None
     outgoing: Outgoing | None = None
     skipped: bool = False
+    checked: bool = False  # the self-check covers this window
+    made: dict | None = None  # output slot -> its assembled buffers (slots not kept)
 
 
 class WindowRound:
@@ -124,8 +128,10 @@ class WindowRound:
                  window_size: int = 1, batch_dims: dict | None = None, device: torch.device | str | None = None,
                  profile_stages: bool = False, min_gain: float | None = None, min_saving: float | None = None,
                  shadow: bool = False, cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0,
-                 sample_costs=None, image_counts=None):
+                 sample_costs=None, image_counts=None, verify: int = 0):
         check_micro_batch_size(micro_batch_size, grid.groups)
+        if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+            raise ValueError(f"verify={verify!r} is invalid: 0 (off), 1 (every window) or N (every N-th window)")
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
         self.settings = PlanSettings(balancer=balancer, min_gain=min_gain, min_saving=min_saving,
@@ -141,6 +147,10 @@ class WindowRound:
         self.early_copy = bool(early_copy)
         self.local_batch = micro_batch_size // grid.dp
         self.backoff = Backoff(gate_backoff)
+        self.verify = verify
+        self._sum_words = CHECKED_FIELDS if verify else 0
+        self._windows = 0  # windows read so far (planned or skipped): the self-check's schedule
+        self._check = None  # the last checked window's comparison, read at the next `read`
         self.agreed = grid.dp == 1  # the DP group's config frames matched (nothing to agree on alone)
         self._paths = None  # per-sample field paths of the last planned window (moved in skipped windows)
         self._executors = {}
@@ -165,7 +175,7 @@ class WindowRound:
                     vision_start_token_id=c.vision_start_token_id, balancer=s.balancer, shadow=int(s.shadow),
                     cross_slot=int(s.cross_slot), min_gain=s.min_gain, min_saving=s.min_saving,
                     gate_backoff=self.backoff.cap, given_costs=int(s.given_costs),
-                    given_image_counts=int(self.image_counts is not None))
+                    given_image_counts=int(self.image_counts is not None), verify=self.verify)
 
     def config_frame(self) -> np.ndarray:
         """This rank's config frame (fixed size whatever the config)."""
@@ -189,22 +199,34 @@ class WindowRound:
         on this rank only, as with reordering off). `error`: what the data source raised while this
         window was read; it travels like a validation error, so every rank raises it."""
         t0 = time.perf_counter()
-        self._now = _Pending(list(batches), [("start", t0)])
-        if self.backoff.skip:
+        self._now = now = _Pending(list(batches), [("start", t0)])
+        now.checked = bool(self.verify) and self._windows % self.verify == 0
+        self._windows += 1
+        if self.backoff.skip:  # no collective: a failed check waits for the next planned window
+            if not now.batches and self._check is not None:  # ... unless the stream ends first
+                failed = self._checked_before()
+                if failed is not None:
+                    raise ReorderError(f"reorder failed on rank {self.grid.rank}: {failed}")
             return self._read_skipped(error)
-        if error is not None:
-            self._now.error = f"data source raised {type(error).__name__}: {error}"
+        failed_check = self._checked_before()
+        if failed_check is not None:  # travels like a rank's bad input: every rank raises it
+            now.error = failed_check
+        elif error is not None:
+            now.error = f"data source raised {type(error).__name__}: {error}"
         else:
             try:
-                self._now.window = self._prepare(self._now.batches)
+                now.window = self._prepare(now.batches)
             except (ValueError, TypeError, KeyError, IndexError) as e:
-                self._now.error = str(e)
+                now.error = str(e)
+        sums = self._sent_sums(now.window) if now.checked and now.window is not None else None
         self._mark("prepare")
-        window, slots = self._now.window, len(self._now.batches)
-        frame = np.zeros(wire.window_words(self.window_size, self.local_batch, len(COLUMNS)), dtype=np.int64)
-        return wire.encode_window(frame, error=self._now.error, slots=slots,
+        window, slots = now.window, len(now.batches)
+        frame = np.zeros(wire.window_words(self.window_size, self.local_batch, len(COLUMNS), self._sum_words),
+                         dtype=np.int64)
+        return wire.encode_window(frame, error=now.error, slots=slots,
                                   layout="" if window is None else window.layout.signature(),
-                                  counts=None if window is None else window.counts.table)
+                                  counts=None if window is None else window.counts.table, sums=sums,
+                                  sums_at=wire.sums_at(self.window_size, self.local_batch, len(COLUMNS)))
 
     def gathered(self, frames: np.ndarray) -> np.ndarray | None:
         """Take every rank's window frame [dp, words] (the all-gather of `read`'s). Returns the text
@@ -265,6 +287,8 @@ class WindowRound:
         self._mark("all_to_all", now)
         out = self._assemble(now, [received] + now.sources)
         self._mark("assemble", now)
+        if now.checked:
+            self._check = self._compare(now)
         sent = 0 if now.outgoing is None else len(now.outgoing.buffer)
         return out, WindowReport.of(plan, sent_bytes=sent, plan_ms=now.plan_ms, marks=now.marks)
 
@@ -359,7 +383,7 @@ class WindowRound:
         if now.window is None:
             return
         slots = len(now.batches)
-        counts = SampleCounts(wire.counts_of(now.frames, slots, self.local_batch, len(COLUMNS)))
+        counts = SampleCounts(wire.counts_of(now.frames, slots, self.local_batch, len(COLUMNS), self._sum_words))
         now.layout = layout = self._group_layout(now.window.layout, signatures)
         t_plan = time.perf_counter()
         now.plan = plan = plan_window(counts, self.cost, self.grid, self.settings, unit_bytes(layout))
@@ -426,6 +450,7 @@ class WindowRound:
         if todo:
             counts = [SampleCounts(moves.out_counts.table[s]) for s in todo]
             made = [empty_shard(layout, c, dev) for c in counts]
+            now.made = dict(zip(todo, [bufs for _, bufs in made]))
             self._executor(dev).run(moves.assemble, buffers, [t for _, bufs in made for t in bufs])
             for s, c, (shard, bufs) in zip(todo, counts, made):
                 if layout.lists:
@@ -439,6 +464,61 @@ class WindowRound:
         if self.device is None:
             return batch
         return rebuild(batch, layout, shard) if self.early_copy else _fields_to(batch, self._paths, dev)
+
+    # ---- the self-check ---------------------------------------------------------------------------
+
+    def _sent_sums(self, window: _Window) -> np.ndarray:
+        """int64 [W, B/dp, CHECKED_FIELDS]: this rank's checksums of the samples it read, where it
+        read them (one host copy when they live on a device)."""
+        layout = window.layout.resolved()  # "any" fields hold as many rows as images: the same regions
+        fields = byte_fields(layout)
+        out = []
+        for s, (shard, blobs) in enumerate(zip(window.shards, window.blobs)):
+            bufs = field_buffers(layout, shard, blobs)
+            counts = SampleCounts(window.counts.table[s])
+            out.append(checksums(bufs, sample_regions(fields, counts), self.local_batch, bufs[0].device).cpu())
+        return torch.stack(out).numpy()
+
+    def _compare(self, now: _Pending) -> "_Check":
+        """This rank's checksums of what it assembled against the senders', as a pending comparison
+        (on the target device; read back without a host synchronization of its own at the next
+        `read`)."""
+        layout, moves, plan, b = now.layout, now.moves, now.plan, self.local_batch
+        fields, dev = byte_fields(layout), now.placement.target
+        slots = len(now.batches)
+        sent = wire.sums_of(now.frames, slots, b, wire.sums_at(self.window_size, b, len(COLUMNS)), CHECKED_FIELDS)
+        natural = plan.orders[:, self.grid.rank * b:(self.grid.rank + 1) * b]  # [W, b] natural index per output
+        want = np.stack([sent[s, natural[s]] for s in range(slots)])
+        got = []
+        for s in range(slots):
+            if moves.kept[s]:
+                nf = len(fields)
+                bufs, counts = now.sources[s * nf:(s + 1) * nf], now.window.counts.table[s]
+            else:
+                bufs, counts = now.made[s], moves.out_counts.table[s]
+            got.append(checksums(bufs, sample_regions(fields, SampleCounts(counts)), b, dev))
+        differs = (torch.stack(got) != torch.from_numpy(want).to(dev, non_blocking=True)).to(torch.uint8)
+        return _Check(window=self._windows - 1, natural=natural, names=_field_names(layout), differs=differs,
+                      event=_recorded(differs))
+
+    def _checked_before(self) -> str | None:
+        """The error text of the last checked window when this rank's bytes differed from the
+        senders', else None (the comparison is long done by now: one window later)."""
+        check, self._check = self._check, None
+        if check is None:
+            return None
+        if check.event is not None:
+            check.event.synchronize()
+        bad = np.argwhere(check.differs.cpu().numpy())
+        if not len(bad):
+            return None
+        s, j, slot = (int(x) for x in bad[0])
+        i = int(check.natural[s, j])
+        b = self.local_batch
+        field = check.names[slot] if slot < CHECKED_FIELDS - 1 else "one of " + ", ".join(check.names[slot:])
+        return (f"self-check failed: window {check.window}, micro-batch {s}: the sample this rank holds at position "
+                f"{j} (natural position {i} of the global micro-batch, read by rank {i // b}) differs in field "
+                f"{field!r} from what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
 
     # ---- windows the gate backoff skips -----------------------------------------------------------
 
@@ -480,6 +560,33 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
         raise ValueError(f"{name} gave sample {int(bad[0])} the value {a[bad[0]].item()!r}: every value must be "
                          f"{'finite and ' if dtype == np.float64 else ''}>= 0")
     return a
+
+
+@dataclass
+class _Check:
+    """A checked window's comparison: differs [W, b, CHECKED_FIELDS] (uint8, on the target device),
+    the event after which it is readable (None on the CPU), the natural index of each output sample,
+    and the field names by checksum slot."""
+
+    window: int
+    natural: np.ndarray
+    names: list
+    differs: torch.Tensor
+    event: object
+
+
+def _recorded(t: torch.Tensor):
+    """A CUDA event recorded after the work that writes `t` (None for a host tensor)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
+def _field_names(layout) -> list:
+    """The byte fields' names in `byte_fields` order ('/'-joined paths; 'per-sample lists')."""
+    return ["/".join(p) for p in _paths(layout)] + (["per-sample lists"] if layout.lists else [])
 
 
 def _paths(layout) -> list:

@@ -40,7 +40,8 @@ _COST_FIELDS = {
 # integer fields -> their minimum
 _INTEGERS = {"megatron_mimo_reorder_window_size": 1, "megatron_mimo_reorder_spatial_merge_size": 1,
              "megatron_mimo_reorder_overlap_ahead": 1, "megatron_mimo_reorder_image_token_id": 0,
-             "megatron_mimo_reorder_vision_start_token_id": 0, "megatron_mimo_reorder_gate_backoff": 0}
+             "megatron_mimo_reorder_vision_start_token_id": 0, "megatron_mimo_reorder_gate_backoff": 0,
+             "megatron_mimo_reorder_verify": 0}
 
 _WEIGHTS = tuple(name for name in _COST_FIELDS.values() if name not in _INTEGERS)  # the cost weights
 
@@ -70,6 +71,7 @@ class ReorderConfig:
     megatron_mimo_reorder_min_saving: float | None = None  # gate: saving (cost units) a micro-batch must exceed to move
     megatron_mimo_reorder_overlap_ahead: int = 1  # with overlap: windows queued or in flight ahead of the one consumed
     megatron_mimo_reorder_gate_backoff: int = 0  # after gated windows in a row, skip up to this many unplanned (0: off)
+    megatron_mimo_reorder_verify: int = 0  # runtime self-check: 0 off, 1 every window, N every N-th window
 
     def __post_init__(self):
         self._parse_fields()
@@ -202,6 +204,10 @@ class ReorderConfig:
         return self.megatron_mimo_reorder_gate_backoff
 
     @property
+    def verify(self) -> int:
+        return self.megatron_mimo_reorder_verify
+
+    @property
     def needs_attention_mask(self) -> bool:
         """The language cost counts real tokens, so every rank must load attention_mask."""
         return self.language_weight > 0 or self.language_quadratic_weight > 0
@@ -222,10 +228,10 @@ class ReorderConfig:
 
     def exchanger_settings(self) -> dict:
         """The `WindowExchanger` keyword arguments this config sets: the cost model, the planning
-        settings (`plan_settings`) and the window (size, gate backoff)."""
+        settings (`plan_settings`), the window (size, gate backoff) and the self-check."""
         return dict(cost=self.cost_model(), balancer=self.balancer, window_size=self.window_size, shadow=self.shadow,
                     cross_slot=self.cross_slot, min_gain=self.min_gain, min_saving=self.min_saving,
-                    gate_backoff=self.gate_backoff)
+                    gate_backoff=self.gate_backoff, verify=self.verify)
 
     # -- builders ------------------------------------------------------------------------------
     @classmethod
@@ -325,6 +331,10 @@ def add_reorder_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    default=d.gate_backoff,
                    help="after k planned windows in a row kept natural by the gate, skip the next "
                         "min(2^(k-1), N) windows without planning or communicating (0: off)")
+    g.add_argument("--reorder-verify", dest="megatron_mimo_reorder_verify", type=int, default=d.verify,
+                   help="runtime self-check: per-sample checksums travel with each window and every receiver "
+                        "checks what it assembled; a mismatch stops every rank of the group with the window, "
+                        "sample, field and source rank (0: off, 1: every window, N: every N-th)")
     g.add_argument("--reorder-shadow", dest="megatron_mimo_reorder_shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
     g.add_argument("--reorder-image-token-id", dest="megatron_mimo_reorder_image_token_id", type=int,

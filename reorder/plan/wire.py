@@ -8,9 +8,10 @@ Two frames, both gathered over the module's DP group with one all-gather each:
   ranks configured differently still gather it and every rank names the same differing field;
 - the **window frame**, once per window: `WINDOW_HEAD` (magic, error flag, micro-batches in the
   window, CRC-32 of the batch layout signature, the text's length in bytes), the first `TEXT_BYTES`
-  of the text (the error message, else the layout signature) and the counts, `window_size x B/dp x
-  Column` int64 (zeros past the window's micro-batches). Its size depends on the config, which the
-  config frame has already shown to match;
+  of the text (the error message, else the layout signature), the counts, `window_size x B/dp x
+  Column` int64 (zeros past the window's micro-batches), and with the self-check on (config
+  `verify`) the senders' checksums, `window_size x B/dp x CHECKED_FIELDS` int64 (zeros in windows
+  not checked). Its size depends on the config, which the config frame has already shown to match;
 - the **text frame**, only after a window frame in which some rank's text was longer than
   `TEXT_BYTES`: every rank's whole text, `long_text_words` words each (every rank computes the same
   size from the gathered window frames), so errors and layout signatures never arrive cut off.
@@ -51,7 +52,8 @@ CONFIG = (Field("micro_batch_size", "int"), Field("groups", "int"), Field("dp", 
           Field("encoder_image_weight", "float"), Field("spatial_merge_size", "int"), Field("image_token_id", "int"),
           Field("vision_start_token_id", "int"), Field("balancer", "text"), Field("shadow", "int"),
           Field("cross_slot", "int"), Field("min_gain", "float"), Field("min_saving", "float"),
-          Field("gate_backoff", "int"), Field("given_costs", "int"), Field("given_image_counts", "int"))
+          Field("gate_backoff", "int"), Field("given_costs", "int"), Field("given_image_counts", "int"),
+          Field("verify", "int"))
 CONFIG_WORDS = 1 + sum(f.words for f in CONFIG)
 WINDOW_HEAD = ("magic", "error", "slots", "layout", "text_bytes")
 TEXT_AT = len(WINDOW_HEAD)
@@ -108,19 +110,36 @@ def text_of(words: np.ndarray) -> str:
     return np.ascontiguousarray(words).tobytes().rstrip(b"\0").decode(errors="replace")
 
 
-def window_words(window_size: int, local_batch: int, columns: int) -> int:
-    """Size of the window frame in int64 words (identical on every rank once the configs match)."""
+def window_words(window_size: int, local_batch: int, columns: int, sum_words: int = 0) -> int:
+    """Size of the window frame in int64 words (identical on every rank once the configs match);
+    sum_words: checksum words per sample (0 with the self-check off)."""
+    return COUNTS_AT + window_size * local_batch * (columns + sum_words)
+
+
+def sums_at(window_size: int, local_batch: int, columns: int) -> int:
+    """Where the checksums start in the window frame: after the counts."""
     return COUNTS_AT + window_size * local_batch * columns
 
 
-def encode_window(frame: np.ndarray, *, error: str | None, slots: int, layout: str, counts: np.ndarray | None):
+def sums_of(gathered: np.ndarray, slots: int, local_batch: int, at: int, sum_words: int) -> np.ndarray:
+    """int64 [slots, B, sum_words]: every rank's checksums, natural order per slot (as `counts_of`)."""
+    dp = len(gathered)
+    c = gathered[:, at:].reshape(dp, -1, local_batch, sum_words)[:, :slots]
+    return c.transpose(1, 0, 2, 3).reshape(slots, dp * local_batch, sum_words)
+
+
+def encode_window(frame: np.ndarray, *, error: str | None, slots: int, layout: str, counts: np.ndarray | None,
+                  sums: np.ndarray | None = None, sums_at: int = 0):
     """Fill `frame` (int64 [window_words], zeroed) with this rank's window: the error text when it
-    failed, else the layout signature; counts [slots, B/dp, columns] when it has a window."""
+    failed, else the layout signature; counts [slots, B/dp, columns] when it has a window; the
+    checksums [slots, B/dp, sum words] at `sums_at` in a window the self-check covers."""
     text = window_text(error, layout).encode()
     frame[:TEXT_AT] = (MAGIC, int(error is not None), slots, zlib.crc32(layout.encode()), len(text))
     frame[TEXT_AT:COUNTS_AT] = np.frombuffer(text[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), np.int64)
     if counts is not None:
         frame[COUNTS_AT:COUNTS_AT + counts.size] = counts.reshape(-1)
+    if sums is not None:
+        frame[sums_at:sums_at + sums.size] = sums.reshape(-1)
     return frame
 
 
@@ -163,8 +182,10 @@ def window_problem(gathered: np.ndarray, texts: list | None = None) -> tuple[str
     return None, list(texts)
 
 
-def counts_of(gathered: np.ndarray, slots: int, local_batch: int, columns: int) -> np.ndarray:
-    """int64 [slots, B, columns]: every rank's counts, natural order per slot (rank-major within a slot)."""
+def counts_of(gathered: np.ndarray, slots: int, local_batch: int, columns: int, sum_words: int = 0) -> np.ndarray:
+    """int64 [slots, B, columns]: every rank's counts, natural order per slot (rank-major within a
+    slot); sum_words: checksum words per sample after the counts (the self-check's)."""
     dp = len(gathered)
-    c = gathered[:, COUNTS_AT:].reshape(dp, -1, local_batch, columns)[:, :slots]
+    per_window = (gathered.shape[1] - COUNTS_AT) // (columns + sum_words) * columns
+    c = gathered[:, COUNTS_AT:COUNTS_AT + per_window].reshape(dp, -1, local_batch, columns)[:, :slots]
     return c.transpose(1, 0, 2, 3).reshape(slots, dp * local_batch, columns)

@@ -227,3 +227,17 @@ def test_every_field_is_prefixed_so_a_bridge_dataset_config_cannot_collide():
     ns = parse(["--reorder-balancer", "identity", "--reorder-shadow", "--reorder-min-saving", "2"])
     assert (ns.megatron_mimo_reorder_balancer, ns.megatron_mimo_reorder_shadow, ns.megatron_mimo_reorder_min_saving) \
         == ("identity", True, 2.0)
+
+
+def test_the_self_check_flag_and_field():
+    import argparse
+
+    from reorder.integrations.config import ReorderConfig, add_reorder_args
+
+    args = add_reorder_args(argparse.ArgumentParser()).parse_args(["--reorder-verify", "100"])
+    cfg = ReorderConfig.from_object(args)
+    assert cfg.verify == 100 and cfg.exchanger_settings()["verify"] == 100
+    assert ReorderConfig().verify == 0
+    with pytest.raises(ValueError) as e:
+        ReorderConfig(megatron_mimo_reorder_verify=-1)
+    assert str(e.value) == "megatron_mimo_reorder_verify=-1: must be an integer >= 0"

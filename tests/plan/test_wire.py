@@ -36,28 +36,30 @@ LAYOUT = [("micro_batch_size", "int"), ("groups", "int"), ("dp", "int"), ("windo
           ("language_quadratic_weight", "float"), ("encoder_image_weight", "float"),
           ("spatial_merge_size", "int"), ("image_token_id", "int"), ("vision_start_token_id", "int"),
           ("balancer", "text"), ("shadow", "int"), ("cross_slot", "int"), ("min_gain", "float"),
-          ("min_saving", "float"), ("gate_backoff", "int"), ("given_costs", "int"), ("given_image_counts", "int")]
+          ("min_saving", "float"), ("gate_backoff", "int"), ("given_costs", "int"), ("given_image_counts", "int"),
+          ("verify", "int")]
 KIND = dict(LAYOUT)
 
 BASE = dict(micro_batch_size=8, groups=4, dp=2, window_size=3, encoder_weight=1.0, language_weight=0.5,
             encoder_quadratic_weight=0.0, language_quadratic_weight=-1.5, encoder_image_weight=2.0,
             spatial_merge_size=2, image_token_id=151655, vision_start_token_id=-7, balancer="balanced", shadow=1,
-            cross_slot=0, min_gain=None, min_saving=0.25, gate_backoff=4, given_costs=0, given_image_counts=1)
+            cross_slot=0, min_gain=None, min_saving=0.25, gate_backoff=4, given_costs=0, given_image_counts=1,
+            verify=100)
 # BASE encoded by hand: floats as their IEEE-754 bits (sign bit set: a negative int64)
 BASE_WORDS = ([MAGIC, 8, 4, 2, 3, 0x3FF0_0000_0000_0000, 0x3FE0_0000_0000_0000, 0, 0xBFF8_0000_0000_0000 - INT64,
                0x4000_0000_0000_0000, 2, 151655, -7] + le(b"balanced", 4)
-              + [1, 0, NONE, 0x3FD0_0000_0000_0000, 4, 0, 1])
+              + [1, 0, NONE, 0x3FD0_0000_0000_0000, 4, 0, 1, 100])
 
 
 def test_the_config_fields_and_their_order_are_the_documented_ones():
     assert [(f.name, f.kind) for f in wire.CONFIG] == LAYOUT
-    assert wire.CONFIG_WORDS == 24 == len(BASE_WORDS)
+    assert wire.CONFIG_WORDS == 25 == len(BASE_WORDS)
     assert [f.words for f in wire.CONFIG] == [4 if k == "text" else 1 for _, k in LAYOUT]
 
 
 def test_config_frame_word_for_word():
     frame = wire.encode_config(BASE)
-    assert frame.dtype == np.int64 and frame.shape == (24,)
+    assert frame.dtype == np.int64 and frame.shape == (25,)
     assert frame.tolist() == BASE_WORDS
     assert le(b"balanced", 1) == [7234297702172615010]  # the hand encoder itself, on a known value
 

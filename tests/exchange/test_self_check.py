@@ -1,0 +1,172 @@
+"""The runtime self-check (verify=N): senders' per-sample, per-field checksums travel in the window
+frame, receivers check what they assembled, and a mismatch raises the same ReorderError on every
+rank of the group at the next window (here: the end of the stream), naming window, micro-batch,
+sample, field and source rank. Executors that flip a byte, drop a segment or swap two samples are
+caught in every module and world shape; a correct executor never is; and the checksum is the same
+on every path (pinned, pageable, device: a property against a plain per-byte loop)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reorder import CostModel, Grid, ReorderError, WindowExchanger, run_emulated
+from reorder.batch.blocks import byte_fields, field_buffers
+from reorder.batch.checksum import checksums
+from reorder.batch.layout import describe
+from reorder.cli import synthetic as syn
+from reorder.cli.synthetic import module_fields
+from reorder.exchange.executors import TorchExecutor
+from reorder.integrations.megatron import select_fields
+from reorder.plan.checksums import CHECKED_FIELDS, sample_regions
+from reorder.plan.counts import SampleCounts
+from reorder.plan.grid import canonical_grid
+from reorder.plan.segments import Segments
+
+COST = CostModel()
+LAYOUTS = [(1, 2), (2, 4), (2, 3), (1, 4), (3, 6)]
+MASK64 = (1 << 64) - 1
+
+
+class Faulty(TorchExecutor):
+    """The torch executor, wrong in one way on its first table that moves bytes."""
+
+    def __init__(self, fault):
+        super().__init__()
+        self.fault, self.done = fault, False
+
+    def run(self, segments, sources, destinations):
+        live = segments.take(segments.nbytes > 0)
+        if self.done or not len(live):
+            return super().run(segments, sources, destinations)
+        self.done = True
+        if self.fault == "drop":  # the largest segment is never copied (its bytes stay as allocated: zeros)
+            for d in destinations:
+                d.zero_()
+            keep = np.ones(len(live), bool)
+            keep[int(np.argmax(live.nbytes))] = False
+            return super().run(live.take(keep), sources, destinations)
+        if self.fault == "swap":  # two segments of one size land in each other's place
+            sizes, first = np.unique(live.nbytes, return_index=True)
+            pair = next(np.flatnonzero(live.nbytes == n)[:2] for n in sizes if (live.nbytes == n).sum() > 1)
+            dst = live.dst_off.copy()
+            dst[pair] = dst[pair[::-1]]
+            live = Segments.of(live.src_buf, live.src_off, live.dst_buf, dst, live.nbytes)
+            return super().run(live, sources, destinations)
+        super().run(live, sources, destinations)  # flip: one byte of the largest segment
+        i = int(np.argmax(live.nbytes))
+        d = destinations[int(live.dst_buf[i])].reshape(-1).view(torch.uint8)
+        d[int(live.dst_off[i]) + int(live.nbytes[i]) // 2] ^= 0x10
+
+
+def stream(dps, seed, faulty=None, fault="flip", verify=1):
+    """Every module's ranks exchange one window with the self-check on, then end the stream; rank
+    `faulty` = (module, rank) runs the faulty executor. Returns {module: [each rank's result or
+    exception]}."""
+    groups = canonical_grid(list(dps.values()))
+    rng = np.random.default_rng(seed)
+    batch = syn.make_global_batch(rng, 2 * groups, 256, features=8, mix="large", first_id=0, scale=0.05)
+    out = {}
+    for module, dp in dps.items():
+        def fn(r, coll, module=module, dp=dp):
+            ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), micro_batch_size=2 * groups, cost=COST,
+                                 balancer="lpt", collectives=coll if dp > 1 else None, verify=verify)
+            if faulty == (module, r):
+                ex.round._executors[torch.device("cpu")] = Faulty(fault)
+            share = select_fields(syn.rank_share(batch, dp, r), module_fields(module, COST))
+            got, report = ex.exchange([share])
+            ex.exchange([])
+            return report
+        out[module] = run_emulated(dp, fn, timeout=30, return_exceptions=True)
+    return out
+
+
+@pytest.mark.parametrize("dps", LAYOUTS, ids=str)
+def test_a_correct_exchange_passes_the_check(dps):
+    for module, results in stream({"vision": dps[0], "language": dps[1]}, seed=sum(dps)).items():
+        assert all(not isinstance(r, BaseException) for r in results), results
+        assert results[0].moved_samples > 0 or len(results) == 1
+
+
+@pytest.mark.parametrize("fault", ["flip", "drop", "swap"])
+@pytest.mark.parametrize("dps", LAYOUTS, ids=str)
+@pytest.mark.parametrize("module", ["vision", "language"])
+def test_a_faulty_executor_is_caught_on_every_rank(dps, module, fault):
+    dp = dict(vision=dps[0], language=dps[1])[module]
+    res = stream({"vision": dps[0], "language": dps[1]}, seed=sum(dps) + 7, faulty=(module, dp - 1), fault=fault)
+    seen = res[module]
+    assert all(isinstance(e, ReorderError) for e in seen), seen
+    msg = str(seen[0])
+    assert len({str(e) for e in seen}) == 1  # the same error on every rank of the group
+    assert "self-check failed: window 0, micro-batch 0: the sample this rank holds at position" in msg, msg
+    assert " read by rank " in msg and " differs in field '" in msg
+    other = res["language" if module == "vision" else "vision"]
+    assert all(not isinstance(r, BaseException) for r in other)
+
+
+def test_the_check_runs_every_nth_window_only():
+    """verify=2 checks windows 0, 2, 4, ...: a fault in window 1 goes unseen, one in window 2 is caught."""
+    def run(fault_window):
+        def fn(r, coll):
+            ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                                 collectives=coll, verify=2)
+            rng = np.random.default_rng(3)
+            for k in range(4):
+                if k == fault_window and r == 1:
+                    ex.round._executors[torch.device("cpu")] = Faulty("flip")
+                g = syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05)
+                ex.exchange([syn.rank_share(g, 2, r)])
+                ex.round._executors.pop(torch.device("cpu"), None)
+            ex.exchange([])
+        return run_emulated(2, fn, timeout=30, return_exceptions=True)
+    assert run(1) == [None, None]
+    caught = run(2)
+    assert all(isinstance(e, ReorderError) and "window 2" in str(e) for e in caught), caught
+
+
+def spec_checksum(data: bytes, width: int, at: int) -> int:
+    """The documented checksum of one region, one word at a time (unsigned arithmetic mod 2**64)."""
+    total = 0
+    for i in range(0, len(data) - len(data) % width, width):
+        w = int.from_bytes(data[i:i + width], "little", signed=width > 1)
+        k = at + i
+        h = (k * 0x9E3779B97F4A7C15) & MASK64
+        h = (h ^ ((h - (1 << 64) if h >> 63 else h) >> 29)) & MASK64 | 1
+        total = (total + (w + 1) * h) & MASK64
+    return total
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 6))
+def test_checksums_are_the_documented_sum_over_every_sample_and_field(seed, n):
+    g = syn.make_global_batch(np.random.default_rng(seed), n, 48, features=3, mix="small", first_id=0)
+    g["modality_inputs"]["images"]["vit"]["hidden_states"] = g["modality_inputs"]["images"]["vit"][
+        "hidden_states"].to(torch.float16)  # rows of 6 bytes: 2-byte words
+    layout, shard = describe(g, n, vision_start_token_id=syn.VISION_START)
+    layout = layout.resolved()
+    fields = byte_fields(layout)
+    counts = SampleCounts.of(rows=shard.row_counts, images=shard.image_counts)
+    bufs = field_buffers(layout, shard, [])
+    regions = sample_regions(fields, counts)
+    got = checksums(bufs, regions, n, torch.device("cpu")).numpy().view(np.uint64)
+    want = np.zeros((n, CHECKED_FIELDS), np.uint64)
+    raw = [bytes(b.reshape(-1).view(torch.uint8).numpy()) for b in bufs]
+    for buf, off, nbytes, key, at, width in zip(*(x.tolist() for x in (regions.buf, regions.off, regions.nbytes,
+                                                                       regions.key, regions.at, regions.width))):
+        s, slot = divmod(key, CHECKED_FIELDS)
+        want[s, slot] = (int(want[s, slot]) + spec_checksum(raw[buf][off:off + nbytes], width, at)) & MASK64
+    assert (got == want).all()
+    # one flipped byte anywhere changes its sample's checksum of that field, and nothing else
+    b = int(np.argmax([x.numel() for x in bufs]))
+    flipped = [x.clone() for x in bufs]
+    flipped[b].reshape(-1).view(torch.uint8)[0] ^= 1
+    again = checksums(flipped, regions, n, torch.device("cpu")).numpy().view(np.uint64)
+    assert (again != got).sum() == 1
+
+
+def test_without_the_check_the_same_fault_passes_silently():
+    """The faults above corrupt micro-batches without any error of their own: the check is what
+    catches them."""
+    res = stream({"vision": 2, "language": 4}, seed=13, faulty=("language", 3), fault="flip", verify=0)
+    assert all(not isinstance(r, BaseException) for rs in res.values() for r in rs), res
