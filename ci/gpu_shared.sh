@@ -23,6 +23,8 @@ for phase in ${PHASES:-lifetime gpu hetero}; do
     lifetime)  # fresh pinned batches behind a delayed stream: dp 1 and shared-GPU dp 2, 4, 8
       job lifetime_dp1 python3 functional_tests/lifetime_cuda.py
       for n in 2 4 8; do job "lifetime_dp$n" torchrun --standalone --nproc-per-node $n functional_tests/lifetime_cuda.py; done
+      job selfcheck_defect_dp1 python3 functional_tests/lifetime_cuda.py --defect  # the self-check catches it
+      job selfcheck_defect_dp4 torchrun --standalone --nproc-per-node 4 functional_tests/lifetime_cuda.py --defect
       job cdmc1_overlap_refused env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -c "
 import torch
 from reorder.runtime.buffer import check_overlap_allowed

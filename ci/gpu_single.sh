@@ -21,5 +21,6 @@ run bridge_cuda python3 functional_tests/bridge_cuda.py --device cuda
 run single_gpu python3 bench/single_gpu.py --out "$LOG/single_gpu.json"
 run host_parts python3 bench/host_parts.py --out "$LOG/host_parts.json"
 run executors_bench python3 bench/executors.py --out "$LOG/executors.json"
+run verify_cost python3 bench/verify_cost.py --json "$LOG/verify_cost.json"
 cat "$LOG/summary_single_gpu.txt"
 exit $status

@@ -17,6 +17,12 @@ dp = world size (ranks beyond the GPU count share them: bench.common.rank_device
 
   python functional_tests/lifetime_cuda.py [--windows 13] [--sleep 20000000]
   torchrun --nproc-per-node 4 functional_tests/lifetime_cuda.py
+  python functional_tests/lifetime_cuda.py --defect   # the self-check must catch the defect put back
+
+--defect puts the lifetime defect back (the Triton executor holds nothing: `KeepAlive.hold` does
+nothing) and runs the exchanger cases with the runtime self-check on every window (verify=1): the
+check passes when the self-check raised its ReorderError in at least one case (and never another
+error), so the check users can leave on is shown to catch what this suite catches.
 
 Rank 0 prints one RESULT line: ok, windows and micro-batches checked, corrupted windows per case.
 Exit 1 on any corrupted window, on any rank, or when fewer windows than --min-windows were checked.
@@ -90,12 +96,12 @@ def corrupted_windows(args, out: list, orders: list, dp: int, rank: int, window:
     return len(bad_windows), notes
 
 
-def run_exchanger(args, groups, dev, *, early: bool, overlap: bool, window: int):
+def run_exchanger(args, groups, dev, *, early: bool, overlap: bool, window: int, verify: int = 0):
     """(micro-batches served, their orders) through WindowExchanger + ReorderingBuffer."""
     coll = None if groups is None else (groups.side if overlap else groups.main)
     grid = Grid(groups=2, dp=1, rank=0) if groups is None else groups.grid  # dp 1: a local permutation
     ex = WindowExchanger(grid=grid, micro_batch_size=args.micro_batch, cost=COST, window_size=window,
-                         collectives=coll, device=dev, early_copy=early)
+                         collectives=coll, device=dev, early_copy=early, verify=verify)
     with ReorderingBuffer(delayed_source(args, grid.dp, grid.rank, args.windows * window), ex,
                           overlap=overlap) as buf:
         out = list(buf)
@@ -112,6 +118,37 @@ def run_drop_in(args, bridge_groups, dp: int, rank: int, *, overlap: bool, windo
     return out, [o.tolist() for rep in buf.reports for o in rep.orders]
 
 
+def defect_caught(args, groups, dev, rank: int, world: int):
+    """--defect: the exchanger cases without early copies, self-check on every window, the
+    executor's keep-alive disabled; exit 0 when the self-check caught the corruption."""
+    from reorder import ReorderError
+    from reorder.exchange.executors import KeepAlive
+
+    KeepAlive.hold = lambda self, tensors, stream: None  # the defect: nothing keeps the pinned sources
+    caught, other = [], []
+    for overlap in (False, True):
+        for w in (1, 2, 3, 4):
+            try:
+                run_exchanger(args, groups, dev, early=False, overlap=overlap, window=w, verify=1)
+            except ReorderError as e:
+                (caught if "self-check failed" in str(e) else other).append(f"overlap={int(overlap)} W{w}: {e}")
+            except Exception as e:  # noqa: BLE001 - reported
+                other.append(f"overlap={int(overlap)} W{w}: {type(e).__name__}: {e}")
+    every = [(caught, other)]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, (caught, other))
+    ok = any(c for c, _ in every) and not any(o for _, o in every)
+    if rank == 0:
+        print("RESULT", dict(ok=ok, mode="defect put back, verify=1", ranks=world,
+                             cases_caught=sum(len(c) for c, _ in every), first=[c for cs, _ in every for c in cs][:2],
+                             other_errors=[o for _, os_ in every for o in os_][:3]), flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--micro-batch", type=int, default=0, help="global micro-batch B (default 4 x world size)")
@@ -122,6 +159,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-windows", type=int, default=200, help="fail when fewer windows were checked in all")
     p.add_argument("--no-drop-in", action="store_true", help="skip the Megatron-Bridge drop-in cases")
+    p.add_argument("--defect", action="store_true", help="put the lifetime defect back: the self-check must catch it")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -133,6 +171,8 @@ def main():
     groups = build_groups({"language": [list(range(world))]}, device=dev, overlap=True) if world > 1 else None
     bridge_groups = {ov: br.build_module_dp_process_groups(dist.group.WORLD, overlap=ov)[2:] for ov in (False, True)} \
         if world > 1 else {}
+    if args.defect:
+        return defect_caught(args, groups, dev, rank, world)
     cases, windows, micro_batches, notes = {}, 0, 0, []
     for early in (False, True):
         for overlap in (False, True):

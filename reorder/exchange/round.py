@@ -38,7 +38,7 @@ from reorder.exchange.executors import select_executor
 from reorder.exchange.placement import Placement, place
 from reorder.plan import wire
 from reorder.plan.backoff import Backoff
-from reorder.plan.checksums import CHECKED_FIELDS, sample_regions
+from reorder.plan.checksums import CHECKED_FIELDS
 from reorder.plan.cost import CostModel
 from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.grid import Grid, check_micro_batch_size
@@ -475,8 +475,7 @@ class WindowRound:
         out = []
         for s, (shard, blobs) in enumerate(zip(window.shards, window.blobs)):
             bufs = field_buffers(layout, shard, blobs)
-            counts = SampleCounts(window.counts.table[s])
-            out.append(checksums(bufs, sample_regions(fields, counts), self.local_batch, bufs[0].device).cpu())
+            out.append(checksums(bufs, fields, SampleCounts(window.counts.table[s])).cpu())
         return torch.stack(out).numpy()
 
     def _compare(self, now: _Pending) -> "_Check":
@@ -496,7 +495,7 @@ class WindowRound:
                 bufs, counts = now.sources[s * nf:(s + 1) * nf], now.window.counts.table[s]
             else:
                 bufs, counts = now.made[s], moves.out_counts.table[s]
-            got.append(checksums(bufs, sample_regions(fields, SampleCounts(counts)), b, dev))
+            got.append(checksums(bufs, fields, SampleCounts(counts)).to(dev))
         differs = (torch.stack(got) != torch.from_numpy(want).to(dev, non_blocking=True)).to(torch.uint8)
         return _Check(window=self._windows - 1, natural=natural, names=_field_names(layout), differs=differs,
                       event=_recorded(differs))

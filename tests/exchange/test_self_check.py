@@ -19,7 +19,7 @@ from reorder.cli import synthetic as syn
 from reorder.cli.synthetic import module_fields
 from reorder.exchange.executors import TorchExecutor
 from reorder.integrations.megatron import select_fields
-from reorder.plan.checksums import CHECKED_FIELDS, sample_regions
+from reorder.plan.checksums import CHECKED_FIELDS, word_width
 from reorder.plan.counts import SampleCounts
 from reorder.plan.grid import canonical_grid
 from reorder.plan.segments import Segments
@@ -125,43 +125,76 @@ def test_the_check_runs_every_nth_window_only():
     assert all(isinstance(e, ReorderError) and "window 2" in str(e) for e in caught), caught
 
 
-def spec_checksum(data: bytes, width: int, at: int) -> int:
-    """The documented checksum of one region, one word at a time (unsigned arithmetic mod 2**64)."""
-    total = 0
-    for i in range(0, len(data) - len(data) % width, width):
-        w = int.from_bytes(data[i:i + width], "little", signed=width > 1)
-        k = at + i
-        h = (k * 0x9E3779B97F4A7C15) & MASK64
-        h = (h ^ ((h - (1 << 64) if h >> 63 else h) >> 29)) & MASK64 | 1
-        total = (total + (w + 1) * h) & MASK64
-    return total
+def spec_mix(x: int) -> int:
+    """The documented mix on Python integers (unsigned, mod 2**64; the shift is arithmetic)."""
+    h = (x * 0x9E3779B97F4A7C15) & MASK64
+    signed = h - (1 << 64) if h >> 63 else h
+    return (h ^ ((signed >> 29) & MASK64)) & MASK64 | 1
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.integers(0, 2**31), st.integers(1, 6))
+def spec_checksums(batch, n, fields_order) -> np.ndarray:
+    """The documented checksums, one word at a time from the spec's per-sample bytes: each field of
+    each sample is a list of entries (dense: one per leading index; rows / images; one for lists)."""
+    out = np.zeros((n, CHECKED_FIELDS), np.uint64)
+    for j, sample in enumerate(per_sample_entries(batch, n)):
+        for f, (name, width) in enumerate(fields_order):
+            salt = max(0, f - (CHECKED_FIELDS - 1)) << 32
+            total = int(out[j, min(f, CHECKED_FIELDS - 1)])
+            for e, entry in enumerate(sample[name]):
+                for c in range(0, len(entry), width):
+                    w = int.from_bytes(entry[c:c + width], "little", signed=width > 1)
+                    total = (total + (w + 1) * spec_mix(c) * spec_mix(e + salt)) & MASK64
+            out[j, min(f, CHECKED_FIELDS - 1)] = total
+    return out
+
+
+def per_sample_entries(batch, n) -> list:
+    """Per sample, per field name: its entries' bytes (input_ids, position_ids, ... then vision rows)."""
+    out = [dict() for _ in range(n)]
+    for key, v in batch.items():
+        if key == "modality_inputs":
+            continue
+        if key == "position_ids" and v.dim() == 3:
+            for j in range(n):
+                out[j][key] = [bytes(v[p, j].contiguous().view(torch.uint8).numpy()) for p in range(v.shape[0])]
+        else:
+            for j in range(n):
+                out[j][key] = [bytes(v[j].contiguous().reshape(-1).view(torch.uint8).numpy())]
+    vit = batch["modality_inputs"]["images"]["vit"]
+    thw = vit["grid_thw"].tolist()
+    ids = batch["input_ids"]
+    img = row = 0
+    for j in range(n):
+        k = int((ids[j] == syn.VISION_START).sum())
+        rows = sum(t * h * w for t, h, w in thw[img:img + k])
+        out[j]["grid_thw"] = [bytes(vit["grid_thw"][i].contiguous().view(torch.uint8).numpy())
+                              for i in range(img, img + k)]
+        out[j]["hidden_states"] = [bytes(vit["hidden_states"][r].contiguous().view(torch.uint8).numpy())
+                                   for r in range(row, row + rows)]
+        img, row = img + k, row + rows
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 5))
 def test_checksums_are_the_documented_sum_over_every_sample_and_field(seed, n):
-    g = syn.make_global_batch(np.random.default_rng(seed), n, 48, features=3, mix="small", first_id=0)
-    g["modality_inputs"]["images"]["vit"]["hidden_states"] = g["modality_inputs"]["images"]["vit"][
-        "hidden_states"].to(torch.float16)  # rows of 6 bytes: 2-byte words
+    g = syn.make_global_batch(np.random.default_rng(seed), n, 24, features=3, mix="small", first_id=0)
+    vit = g["modality_inputs"]["images"]["vit"]
+    vit["hidden_states"] = vit["hidden_states"].to(torch.float16)  # rows of 6 bytes: 2-byte words
     layout, shard = describe(g, n, vision_start_token_id=syn.VISION_START)
     layout = layout.resolved()
     fields = byte_fields(layout)
     counts = SampleCounts.of(rows=shard.row_counts, images=shard.image_counts)
     bufs = field_buffers(layout, shard, [])
-    regions = sample_regions(fields, counts)
-    got = checksums(bufs, regions, n, torch.device("cpu")).numpy().view(np.uint64)
-    want = np.zeros((n, CHECKED_FIELDS), np.uint64)
-    raw = [bytes(b.reshape(-1).view(torch.uint8).numpy()) for b in bufs]
-    for buf, off, nbytes, key, at, width in zip(*(x.tolist() for x in (regions.buf, regions.off, regions.nbytes,
-                                                                       regions.key, regions.at, regions.width))):
-        s, slot = divmod(key, CHECKED_FIELDS)
-        want[s, slot] = (int(want[s, slot]) + spec_checksum(raw[buf][off:off + nbytes], width, at)) & MASK64
-    assert (got == want).all()
+    got = checksums(bufs, fields, counts).numpy().view(np.uint64)
+    names = [p[-1] for p in [f.path for f in layout.dense] + [f.path for f in layout.ragged]]
+    order = [(name, word_width(kind, unit)) for name, (kind, pre, unit) in zip(names, fields)]
+    assert (got == spec_checksums(g, n, order)).all()
     # one flipped byte anywhere changes its sample's checksum of that field, and nothing else
     b = int(np.argmax([x.numel() for x in bufs]))
     flipped = [x.clone() for x in bufs]
     flipped[b].reshape(-1).view(torch.uint8)[0] ^= 1
-    again = checksums(flipped, regions, n, torch.device("cpu")).numpy().view(np.uint64)
+    again = checksums(flipped, fields, counts).numpy().view(np.uint64)
     assert (again != got).sum() == 1
 
 
