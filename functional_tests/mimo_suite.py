@@ -10,11 +10,19 @@ images of variable size, fixed-width padding), read through reorder's CanonicalB
 `reorder.integrations.megatron.wrap`. The encoder is per-image (sample-local), so reordering changes which rank
 runs a sample, never its activations.
 
-Layouts: colocated (default: both modules on every rank, dp = world) or non-colocated with
---encoder-dp E --language-dp L (world E + L, L a multiple of E): the encoder on ranks 0..E-1 with DP E,
-the language model on ranks E..E+L-1 with DP L, reorder's canonical grid G = lcm(E, L) = L, and the real
-MultiModulePipelineCommunicator / BridgeCommunicator 1F1B schedule between them (fan-out by position:
-encoder rank v's micro-batch feeds language ranks v*k..v*k+k-1, k = L / E, split per sample).
+Layouts: colocated (default: both modules on every rank, dp = world; --language-tp T: both modules on
+one grid tp T x dp world/T) or non-colocated with --encoder-dp E --language-dp L (L a multiple of E),
+optionally --encoder-tp, --language-tp, --language-pp: the encoder on the first ranks (tp x dp E), the
+language model after them (tp x pp x dp L), reorder's canonical grid G = lcm(E, L) = L, and the real
+MultiModulePipelineCommunicator 1F1B schedule: BridgeCommunicator from the encoder to the first language
+stage (fan-out by position: encoder replica v's micro-batch feeds language replicas v*k..v*k+k-1, k = L /
+E, split per sample; each side broadcasts over its TP group), P2P between language stages. Reorder runs
+per DP group (one per tp/pp coordinate); every TP peer and every stage loads input_ids and plans alike.
+The TP/PP layouts of ci/gpu_mimo.sh (MIMO_SET=tp_pp): colocated tp 2 x dp 2 (4 ranks); encoder dp 2 +
+language tp 2 x dp 2 (6); encoder dp 2 + language pp 2 x dp 2 (6); encoder tp 2 x dp 2 + language dp 4
+(8); encoder tp 2 x dp 1 + language pp 3 x dp 2 (8: encoder TP, fan-out, a middle stage). What megatron-
+core's MIMO (0.19.2) cannot run (CP > 1, encoder PP > 1, a colocated language PP > 1, colocated modules
+with different TP/DP, modules sharing only some ranks) is refused by `wrap` (`check_layout`).
 
 Tests (launch with torchrun; every rank runs the same test):
   parity     colocated: reorder off vs on, iteration-1 loss difference, per-micro-batch image
@@ -24,7 +32,8 @@ Tests (launch with torchrun; every rank runs the same test):
              the data source rebuilt from it, next iterations must equal the continuous run bit for bit
   soak       either layout: --iters iterations per combo of --windows x --overlaps x --weights;
              sample accounting exact (every sample of every global micro-batch seen once, on the rank
-             the reference plan says, in every module), no hang, no error
+             the reference plan says, in every DP group of every module), no hang, no error; with
+             CUDA_DEVICE_MAX_CONNECTIONS=1 on CUDA, overlap must be refused first
   noncoloc   non-colocated, E = L = 1 unless given (grid 1: a local permutation); hetero: the same test,
   hetero     E = 2, L = 4 unless given. Reorder off vs on: every sample's image embeddings arrive at that
              sample's placeholders (per-sample checksums, encoder output vs language input), both modules
@@ -32,6 +41,9 @@ Tests (launch with torchrun; every rank runs the same test):
              ranks reorder must show mismatches; then `resume` with reorder on
   --device cpu runs every test on Gloo with small CPU shims (debugging only: megatron hard-codes CUDA and
   NCCL in a few places, which the shims redirect).
+Every test's accounting (`check_accounting`) also checks, micro-batch by micro-batch, that the ranks of
+each TP group held byte-identical micro-batches (a digest of every field) and that the stages of each
+PP group held the same sample order (and token fields).
 Every rank prints one `RESULT {json}` line at the end (rank 0's is the summary).
 """
 
@@ -948,6 +960,12 @@ def summarize(folder) -> int:
                 rcs[name] = int(rc.split("=")[1])
     fmt = lambda xs: "[" + ", ".join(f"{x:.6f}" for x in xs) + "]"  # noqa: E731
 
+    def replicas(acc):  # the TP / PP checks of an accounting dict, when the layout has TP or PP groups
+        if "tp_peer_micro_batches_identical" not in acc:
+            return ""
+        return (f"; TP peers byte-identical on {acc['tp_peer_micro_batches_identical']} micro-batches, PP stages "
+                f"in one order on {acc['pp_stage_micro_batches_same_order']}")
+
     def resume_lines(head, r, indent=""):
         return [f"{indent}{head} ({r['layout']}, reorder on "
                 f"{r.get('balancer', 'balanced')} W {r['window']} overlap {r['overlap']}): checkpoint at iteration "
@@ -987,7 +1005,8 @@ def summarize(folder) -> int:
             lines += [f"{head} {name} ({r['layout']}, G {r['groups']}, 1F1B schedule through BridgeCommunicator, "
                       f"{r['iters']} iterations)",
                       f"  both modules hold every micro-batch in the reference plan's order (accounting on "
-                      f"{r['accounting']['on']}); encoder and language orders equal: "
+                      f"{r['accounting']['on']}{replicas(r['accounting']['on'])}); encoder and language orders "
+                      f"equal (every DP group): "
                       f"{r['encoder_and_language_order_equal']}; {r['micro_batches_permuted']}/{r['of']} micro-batches "
                       f"permuted",
                       f"  iteration-1 loss off {r['loss1_off']:.9f} on {r['loss1_on']:.9f}: |diff| "
@@ -1011,7 +1030,7 @@ def summarize(folder) -> int:
                              f"{c['iters']} "
                              f"iterations ({c['ms_per_iter']} ms/iter), {c.get('samples', '?')} samples accounted "
                              f"exactly, moved {c.get('moved_frac', '-')}, spread {c.get('spread_before', '-')} -> "
-                             f"{c.get('spread_after', '-')}, last loss {c['last_loss']:.4f}")
+                             f"{c.get('spread_after', '-')}, last loss {c['last_loss']:.4f}{replicas(c)}")
     lines.append(f"soak total: {soak_total} iterations")
     if not rcs:
         bad.append("no jobs (rc.txt missing or empty)")
