@@ -12,8 +12,8 @@
 # MIMO_SET picks the batch: base (default: the jobs above), tp_pp (tensor and pipeline parallelism:
 # reorder off vs on with loss parity, image-embedding checksums across the bridge, TP peers
 # byte-identical, PP stages in one order, bit-identical resume), tp_pp_soak (their soaks, overlap on
-# and off, TP_PP_SOAK_ITERS iterations each, 300 by default; a CUDA_DEVICE_MAX_CONNECTIONS=1 soak
-# where overlap must be refused), or all. The TP/PP layouts (ranks):
+# and off, TP_PP_SOAK_ITERS iterations each, 300 by default; two CUDA_DEVICE_MAX_CONNECTIONS=1 soaks,
+# TP and PP, where overlap must be refused), or all. The TP/PP layouts (ranks):
 #   coloc_tp2   colocated tp 2 x dp 2, the encoder on the same grid                      4
 #   tp2         encoder dp 2 + language tp 2 x dp 2                                      2 + 4 = 6
 #   pp2         encoder dp 2 + language pp 2 x dp 2 (1F1B, P2P between the stages)        2 + 4 = 6
@@ -102,7 +102,10 @@ if [ "$MIMO_SET" = tp_pp_soak ] || [ "$MIMO_SET" = all ]; then
     job "soak_$name" "$nproc" soak $layout --iters "$TP_PP_SOAK_ITERS" --windows 2 --overlaps on off --weights 0.5 \
         --combo-seconds "$SOAK_SECONDS"
   done
-  # overlap refused under CUDA_DEVICE_MAX_CONNECTIONS=1, then the synchronous exchange next to the 1F1B schedule
+  # overlap refused under CUDA_DEVICE_MAX_CONNECTIONS=1 (what megatron recommends with TP), then the
+  # synchronous exchange next to the TP collectives, and next to the 1F1B schedule's P2P
+  JOB_ENV=CUDA_DEVICE_MAX_CONNECTIONS=1 job soak_tp2_cdmc1 6 soak --encoder-dp 2 --language-tp 2 --language-dp 2 \
+      --iters "$TP_PP_SOAK_ITERS" --windows 2 --overlaps off --weights 0.5 --combo-seconds $(( SOAK_SECONDS * 2 ))
   JOB_ENV=CUDA_DEVICE_MAX_CONNECTIONS=1 job soak_pp2_cdmc1 6 soak --encoder-dp 2 --language-pp 2 --language-dp 2 \
       --iters "$TP_PP_SOAK_ITERS" --windows 2 --overlaps off --weights 0.5 --combo-seconds $(( SOAK_SECONDS * 2 ))
 fi
