@@ -19,6 +19,7 @@
 #   pp2         encoder dp 2 + language pp 2 x dp 2 (1F1B, P2P between the stages)        2 + 4 = 6
 #   enctp2      encoder tp 2 x dp 2 + language dp 4 (fan-out 2)                          4 + 4 = 8
 #   combo       encoder tp 2 x dp 1 + language pp 3 x dp 2 (fan-out 2, a middle stage)   2 + 6 = 8
+#   tp2pp2      encoder dp 2 + language tp 2 x pp 2 x dp 2 (only with TP_PP_WIDE=1)     2 + 8 = 10
 # MAX_RANKS (0: no limit) holds a job back until the running jobs' ranks leave room for it; ONLY (an
 # extended regex) runs the jobs whose names match, e.g. ONLY='soak_(pp2|combo)'.
 set -uo pipefail
@@ -85,6 +86,9 @@ TP_PP_LAYOUTS=(
   "enctp2 8 --encoder-tp 2 --encoder-dp 2 --language-dp 4"
   "combo 8 --encoder-tp 2 --encoder-dp 1 --language-pp 3 --language-dp 2"
 )
+if [ "${TP_PP_WIDE:-0}" = 1 ]; then  # language TP and PP with DP 2 needs more than 8 ranks
+  TP_PP_LAYOUTS+=("tp2pp2 10 --encoder-dp 2 --language-tp 2 --language-pp 2 --language-dp 2")
+fi
 if [ "$MIMO_SET" = tp_pp ] || [ "$MIMO_SET" = all ]; then
   for spec in "${TP_PP_LAYOUTS[@]}"; do
     read -r name nproc layout <<< "$spec"
