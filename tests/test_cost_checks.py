@@ -76,8 +76,11 @@ def test_micro_batch_size_accepts_multiples():
 
 
 def test_the_old_name_warns_and_still_checks():
-    with pytest.warns(DeprecationWarning, match="use check_micro_batch_size"):
+    with pytest.warns(DeprecationWarning) as seen:
         check_global_batch(12, 4)
+    (w,) = seen
+    assert str(w.message) == "check_global_batch is deprecated: use check_micro_batch_size"
+    assert w.filename == __file__  # the warning points at the caller's line
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="micro_batch_size=6"):
         check_global_batch(6, 4)
 

@@ -225,8 +225,7 @@ class WindowRound:
                          dtype=np.int64)
         return wire.encode_window(frame, error=now.error, slots=slots,
                                   layout="" if window is None else window.layout.signature(),
-                                  counts=None if window is None else window.counts.table, sums=sums,
-                                  sums_at=wire.sums_at(self.window_size, self.local_batch, len(COLUMNS)))
+                                  counts=None if window is None else window.counts.table, sums=sums)
 
     def gathered(self, frames: np.ndarray) -> np.ndarray | None:
         """Take every rank's window frame [dp, words] (the all-gather of `read`'s). Returns the text
@@ -485,7 +484,7 @@ class WindowRound:
         layout, moves, plan, b = now.layout, now.moves, now.plan, self.local_batch
         fields, dev = byte_fields(layout), now.placement.target
         slots = len(now.batches)
-        sent = wire.sums_of(now.frames, slots, b, wire.sums_at(self.window_size, b, len(COLUMNS)), CHECKED_FIELDS)
+        sent = wire.sums_of(now.frames, slots, b, len(COLUMNS), CHECKED_FIELDS)
         natural = plan.orders[:, self.grid.rank * b:(self.grid.rank + 1) * b]  # [W, b] natural index per output
         want = np.stack([sent[s, natural[s]] for s in range(slots)])
         got = []

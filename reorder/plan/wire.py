@@ -116,30 +116,35 @@ def window_words(window_size: int, local_batch: int, columns: int, sum_words: in
     return COUNTS_AT + window_size * local_batch * (columns + sum_words)
 
 
-def sums_at(window_size: int, local_batch: int, columns: int) -> int:
-    """Where the checksums start in the window frame: after the counts."""
-    return COUNTS_AT + window_size * local_batch * columns
+def _blocks(width: int, columns: int, sum_words: int) -> tuple:
+    """(samples in a window frame of `width` words, where its checksums start): the counts block
+    holds every slot's samples x columns words from COUNTS_AT, the checksums follow it."""
+    samples = (width - COUNTS_AT) // (columns + sum_words)
+    return samples, COUNTS_AT + samples * columns
 
 
-def sums_of(gathered: np.ndarray, slots: int, local_batch: int, at: int, sum_words: int) -> np.ndarray:
-    """int64 [slots, B, sum_words]: every rank's checksums, natural order per slot (as `counts_of`)."""
-    dp = len(gathered)
-    c = gathered[:, at:].reshape(dp, -1, local_batch, sum_words)[:, :slots]
-    return c.transpose(1, 0, 2, 3).reshape(slots, dp * local_batch, sum_words)
+def sums_of(gathered: np.ndarray, slots: int, local_batch: int, columns: int, sum_words: int) -> np.ndarray:
+    """int64 [slots, B, sum_words]: every rank's checksums (the self-check's words per sample after
+    the counts), natural order per slot (as `counts_of`)."""
+    dp, width = gathered.shape
+    samples, at = _blocks(width, columns, sum_words)
+    c = gathered[:, at:at + samples * sum_words].reshape(dp, samples // local_batch, local_batch, sum_words)
+    return c[:, :slots].transpose(1, 0, 2, 3).reshape(slots, dp * local_batch, sum_words)
 
 
 def encode_window(frame: np.ndarray, *, error: str | None, slots: int, layout: str, counts: np.ndarray | None,
-                  sums: np.ndarray | None = None, sums_at: int = 0):
+                  sums: np.ndarray | None = None):
     """Fill `frame` (int64 [window_words], zeroed) with this rank's window: the error text when it
     failed, else the layout signature; counts [slots, B/dp, columns] when it has a window; the
-    checksums [slots, B/dp, sum words] at `sums_at` in a window the self-check covers."""
+    checksums [slots, B/dp, sum words] after the counts block in a window the self-check covers."""
     text = window_text(error, layout).encode()
     frame[:TEXT_AT] = (MAGIC, int(error is not None), slots, zlib.crc32(layout.encode()), len(text))
     frame[TEXT_AT:COUNTS_AT] = np.frombuffer(text[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0"), np.int64)
     if counts is not None:
-        frame[COUNTS_AT:COUNTS_AT + counts.size] = counts.reshape(-1)
+        frame[COUNTS_AT:COUNTS_AT + counts.size] = counts.ravel()
     if sums is not None:
-        frame[sums_at:sums_at + sums.size] = sums.reshape(-1)
+        at = _blocks(len(frame), counts.shape[-1], sums.shape[-1])[1]
+        frame[at:at + sums.size] = sums.ravel()
     return frame
 
 
@@ -185,7 +190,8 @@ def window_problem(gathered: np.ndarray, texts: list | None = None) -> tuple[str
 def counts_of(gathered: np.ndarray, slots: int, local_batch: int, columns: int, sum_words: int = 0) -> np.ndarray:
     """int64 [slots, B, columns]: every rank's counts, natural order per slot (rank-major within a
     slot); sum_words: checksum words per sample after the counts (the self-check's)."""
-    dp = len(gathered)
-    per_window = (gathered.shape[1] - COUNTS_AT) // (columns + sum_words) * columns
-    c = gathered[:, COUNTS_AT:COUNTS_AT + per_window].reshape(dp, -1, local_batch, columns)[:, :slots]
+    dp, width = gathered.shape
+    samples = _blocks(width, columns, sum_words)[0]
+    c = gathered[:, COUNTS_AT:COUNTS_AT + samples * columns].reshape(dp, samples // local_batch, local_batch,
+                                                                     columns)[:, :slots]
     return c.transpose(1, 0, 2, 3).reshape(slots, dp * local_batch, columns)

@@ -191,6 +191,8 @@ def test_window_frame_layout():
     assert (wire.TEXT_AT, wire.COUNTS_AT, wire.TEXT_BYTES) == (5, 133, 1024)
     assert wire.window_words(2, 3, 7) == 133 + 2 * 3 * 7
     assert wire.window_words(1, 1, 1) == 134
+    assert wire.window_words(2, 3, 7, 16) == 133 + 2 * 3 * (7 + 16)  # with the self-check's checksums
+    assert wire.window_words(1, 1, 1, 0) == 134
 
 
 def window(*, error=None, slots=1, layout="abc", counts=None, size=2, local=1, columns=3):
@@ -294,3 +296,44 @@ def test_counts_round_trip_through_the_frames():
         frames.append(wire.encode_window(frame, error=None, slots=2, layout="L", counts=counts[q]))
     got = wire.counts_of(np.stack(frames), 2, local, columns)
     assert got.tolist() == [[counts[q, s, i].tolist() for q in range(dp) for i in range(local)] for s in range(2)]
+
+
+def test_a_checked_window_frame_word_for_word():
+    """With the self-check on, the senders' checksums follow the counts block: window_size x B/dp x
+    sum words, zeros past the window's micro-batches."""
+    frame = np.zeros(wire.window_words(3, 1, 3, 4), dtype=np.int64)
+    counts = np.array([[[7, -8, 9]], [[1, 2, 3]]], dtype=np.int64)
+    sums = np.array([[[-1, 2, -3, 4]], [[5, -6, 7, -8]]], dtype=np.int64)
+    wire.encode_window(frame, error=None, slots=2, layout="abc", counts=counts, sums=sums)
+    assert frame[:5].tolist() == [MAGIC, 0, 2, 0x352441C2, 3]
+    assert frame[133:].tolist() == [7, -8, 9, 1, 2, 3, 0, 0, 0] + [-1, 2, -3, 4, 5, -6, 7, -8, 0, 0, 0, 0]
+
+
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 4), st.integers(1, 5), st.data())
+def test_counts_and_checksums_of_read_the_documented_blocks(dp, local, window_size, columns, sum_words, data):
+    slots = data.draw(st.integers(0, window_size))
+    width = wire.window_words(window_size, local, columns, sum_words)
+    gathered = np.array(data.draw(st.lists(st.lists(st.integers(-2**40, 2**40), min_size=width, max_size=width),
+                                           min_size=dp, max_size=dp)), dtype=np.int64)
+    at = 133 + window_size * local * columns  # the checksums start after every slot's counts
+    want_counts = [[[int(gathered[q, 133 + (s * local + i) * columns + c]) for c in range(columns)]
+                    for q in range(dp) for i in range(local)] for s in range(slots)]
+    want_sums = [[[int(gathered[q, at + (s * local + i) * sum_words + c]) for c in range(sum_words)]
+                  for q in range(dp) for i in range(local)] for s in range(slots)]
+    counts = wire.counts_of(gathered, slots, local, columns, sum_words)
+    sums = wire.sums_of(gathered, slots, local, columns, sum_words)
+    assert counts.shape == (slots, dp * local, columns) and counts.tolist() == want_counts
+    assert sums.shape == (slots, dp * local, sum_words) and sums.tolist() == want_sums
+
+
+def test_checksums_round_trip_through_the_frames():
+    dp, local, size, columns, words = 2, 2, 3, 7, 16
+    frames, sums = [], np.arange(dp * 2 * local * words, dtype=np.int64).reshape(dp, 2, local, words) - 99
+    for q in range(dp):
+        frame = np.zeros(wire.window_words(size, local, columns, words), dtype=np.int64)
+        counts = np.full((2, local, columns), q + 1, dtype=np.int64)
+        frames.append(wire.encode_window(frame, error=None, slots=2, layout="L", counts=counts, sums=sums[q]))
+    got = wire.sums_of(np.stack(frames), 2, local, columns, words)
+    assert got.tolist() == [[sums[q, s, i].tolist() for q in range(dp) for i in range(local)] for s in range(2)]
+    assert wire.counts_of(np.stack(frames), 2, local, columns, words).tolist() == [
+        [[q + 1] * columns for q in range(dp) for _ in range(local)] for _ in range(2)]
