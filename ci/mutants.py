@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ALL_TESTS = ("tests/test_grid_cost_plan.py", "tests/plan/test_moves.py", "tests/batch/test_packing.py",
-             "tests/test_exchange_emulated.py", "tests/test_exchange_faults.py")
+ALL_TESTS = ("tests/plan/test_grid_cost.py", "tests/plan/test_moves.py", "tests/batch/test_packing.py",
+             "tests/exchange/test_exchanger.py", "tests/exchange/test_exchange_faults.py")
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,12 @@ MUTATIONS = [
     Mutation("gate backoff not advanced", "reorder/exchange/exchanger.py",
              "self.backoff, self._paths = self.backoff.planned(plan.fully_gated), _paths(layout)",
              "self._paths = _paths(layout)",
-             ("tests/test_exchange_emulated.py",)),
+             ("tests/exchange/test_exchanger.py",)),
     # 8d. the backoff never grows: one window skipped after every gated one.
     Mutation("gate backoff does not double", "reorder/plan/backoff.py",
              "skip=min(2 ** (run - 1), self.cap)",
              "skip=min(1, self.cap)",
-             ("tests/test_exchange_emulated.py", "tests/plan/test_backoff.py")),
+             ("tests/exchange/test_exchanger.py", "tests/plan/test_backoff.py")),
     # 9. MRoPE position_ids [3, B, S] described with batch dim 0.
     Mutation("layout position_ids batch dim 0", "reorder/batch/layout.py",
              "want = 1 if v.dim() == 3 else 0",
@@ -128,7 +128,7 @@ MUTATIONS = [
     Mutation("device square patches drop the +1", "reorder/batch/counting.py",
              "return torch.where(m, 2 * (idx - run_start) + 1, 0).sum(dim=1)",
              "return torch.where(m, 2 * (idx - run_start), 0).sum(dim=1)",
-             ("tests/test_grid_cost_plan.py",)),
+             ("tests/plan/test_grid_cost.py",)),
 ]
 
 

@@ -20,20 +20,20 @@ from reorder.cli import synthetic as syn
 
 # suite -> (the test that runs its records, the params that test reads)
 SUITES = {
-    "balancers": ("tests/test_balancers.py::test_every_balancer_and_plan_orders_refuse_bad_costs",
+    "balancers": ("tests/plan/test_balancers.py::test_every_balancer_and_plan_orders_refuse_bad_costs",
                   "costs, groups: a balancer gets them as given, plan_orders as one slot, costs[None]"),
-    "cost": ("tests/test_grid_cost_plan.py::test_cost_model_refuses_bad_fields_on_every_rank",
+    "cost": ("tests/plan/test_grid_cost.py::test_cost_model_refuses_bad_fields_on_every_rank",
              "corrupt: callable(share) -> share, applied to rank 1's share of rank_shares(2); seen first by "
              "count_samples(CostModel(), ...) on it, then by both ranks of an emulated dp-2 exchange"),
-    "emulated": ("tests/test_exchange_emulated.py::test_fault_case",
+    "emulated": ("tests/exchange/test_exchanger.py::test_fault_case",
                  "dp (2); shares: zero-argument callable giving every rank's micro-batch (default "
                  "rank_shares(dp)); config: {rank: WindowExchanger kwargs}; source_error: {rank: exception "
                  "its data source raised, that rank passes no micro-batch}"),
-    "gloo_config": ("tests/test_exchange_faults.py::test_config_that_sizes_the_metadata_differs_on_gloo",
+    "gloo_config": ("tests/exchange/test_exchange_faults.py::test_config_that_sizes_the_metadata_differs_on_gloo",
                     "config: {rank: WindowExchanger kwargs} on 2 forked Gloo ranks (Grid(groups=2, dp=2)), each "
                     "passing one micro-batch of B/2 zero input_ids [B/2, 8]; run synchronously and through the "
                     "overlap buffer"),
-    "buffer": ("tests/test_buffer.py::test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker",
+    "buffer": ("tests/runtime/test_buffer.py::test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker",
                "source_error: what the data source raises after 4 micro-batches"),
     "gloo": ("tests/test_functional_gloo.py::test_faults_raise_on_every_rank",
              "argv: gloo_suite arguments (run with --overlap and --no-overlap); world: processes; "

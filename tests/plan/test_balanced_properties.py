@@ -11,7 +11,7 @@ subsets (`spec.optimum`) and the lower-bound families (`spec.reference.lower_bou
   round (an xfail test holds the input);
 - deterministic: the same costs give the same plan, also in another process with another hash seed.
 
-tests/test_balancers.py holds more of the same kind: groups of equal load and a natural plan at the
+tests/plan/test_balancers.py holds more of the same kind: groups of equal load and a natural plan at the
 largest-cost bound are kept, a plan is the same for copies and views of the costs, the movement
 targets of the benchmarks (far fewer samples moved than LPT).
 """

@@ -581,7 +581,7 @@ def _bridge_cuda(world, *extra):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = [str(root / "functional_tests" / "bridge_cuda.py"), "--device", "cpu", "--seq-len", "256",
               "--features", "8", "--mix", "small", "--micro-batch", "8", "--timeout", "90", *extra]
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -617,7 +617,7 @@ def test_bridge_cuda_check_catches_a_changed_token():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "functional_tests" / "bridge_cuda.py"
+    path = Path(__file__).resolve().parents[2] / "functional_tests" / "bridge_cuda.py"
     spec = importlib.util.spec_from_file_location("bridge_cuda", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
