@@ -87,3 +87,37 @@ def fit_cost_weights(features, times, *, names=FEATURES, intercept: bool = True)
     return Fit(weights=dict(zip(names, w.tolist())), intercept=float(sol[-1]) if intercept else 0.0,
                r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0, rms_residual=float(np.sqrt(ss_res / len(y))),
                samples=len(y))
+
+
+def enable_calibration(buffer, config, *, group=None, collectives=None, tag: int = 0):
+    """Attach online calibration (`reorder.runtime.calibration`) to a buffer `wrap` returned, from a
+    `ReorderConfig` (its `megatron_mimo_reorder_calibrate*` fields) or a mode string; call it on
+    every rank before the first next(). Returns the `Calibration` (also `buffer.calibration`), or
+    None with calibration off or reordering off (a PassThroughBuffer).
+
+    The fit group: `collectives` (a `reorder.exchange.collectives.Collectives`), or `group` (a
+    torch.distributed group, wrapped with a Gloo metadata group over its ranks: create it on every
+    rank), else the module's DP group (enough when one module plans). With several modules, give a
+    group spanning every rank of every module (e.g. `torch.distributed.group.WORLD`) so that every
+    module fits the same rows and switches at the same window; `tag` is then this rank's module index.
+    With overlap the group is used on the overlap thread: give one no other thread uses."""
+    from reorder.runtime.buffer import ReorderingBuffer
+    from reorder.runtime.calibration import Calibration
+
+    settings = (dict(mode=config, window_size=getattr(getattr(buffer, "_ex", None), "window_size", 1))
+                if isinstance(config, str) else config.calibration_settings())
+    if settings["mode"] == "off" or not isinstance(buffer, ReorderingBuffer):
+        return None
+    if collectives is None and group is not None:
+        import torch.distributed as dist
+
+        from reorder.exchange.dist import TorchCollectives
+
+        ranks = dist.get_process_group_ranks(group)
+        meta = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
+        collectives = TorchCollectives(meta, group)
+    if collectives is None:
+        collectives = buffer._ex.collectives
+    cal = Calibration(collectives=collectives, tag=tag, **settings)
+    buffer.calibrate(cal)
+    return cal

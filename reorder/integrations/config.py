@@ -41,7 +41,12 @@ _COST_FIELDS = {
 _INTEGERS = {"megatron_mimo_reorder_window_size": 1, "megatron_mimo_reorder_spatial_merge_size": 1,
              "megatron_mimo_reorder_overlap_ahead": 1, "megatron_mimo_reorder_image_token_id": 0,
              "megatron_mimo_reorder_vision_start_token_id": 0, "megatron_mimo_reorder_gate_backoff": 0,
-             "megatron_mimo_reorder_verify": 0}
+             "megatron_mimo_reorder_verify": 0, "megatron_mimo_reorder_calibrate_every": 1}
+_CALIBRATE_MODES = ("off", "shadow", "on")
+# calibration thresholds -> (lowest, highest or None, highest included)
+_CALIBRATE_RANGES = {"megatron_mimo_reorder_calibrate_min_r2": (0.0, 1.0, True),
+                     "megatron_mimo_reorder_calibrate_min_gain": (0.0, 1.0, False),
+                     "megatron_mimo_reorder_calibrate_drift": (0.0, None, False)}
 
 _WEIGHTS = tuple(name for name in _COST_FIELDS.values() if name not in _INTEGERS)  # the cost weights
 
@@ -72,6 +77,11 @@ class ReorderConfig:
     megatron_mimo_reorder_overlap_ahead: int = 1  # with overlap: windows queued or in flight ahead of the one consumed
     megatron_mimo_reorder_gate_backoff: int = 0  # after gated windows in a row, skip up to this many unplanned (0: off)
     megatron_mimo_reorder_verify: int = 0  # runtime self-check: 0 off, 1 every window, N every N-th window
+    megatron_mimo_reorder_calibrate: str = "off"  # online cost calibration: off, shadow (fit, never switch), on
+    megatron_mimo_reorder_calibrate_every: int = 4  # windows of measurements per fit
+    megatron_mimo_reorder_calibrate_min_r2: float = 0.8  # a fit switches only with R^2 >= this
+    megatron_mimo_reorder_calibrate_min_gain: float = 0.05  # ... and a predicted relative spread gain >= this
+    megatron_mimo_reorder_calibrate_drift: float = 0.25  # re-fit when the active RMS residual grows by this fraction
 
     def __post_init__(self):
         self._parse_fields()
@@ -107,6 +117,16 @@ class ReorderConfig:
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not 0 <= v < top:
                 raise ValueError(f"{name}={v!r}: must be a finite number >= 0" + (" and < 1" if top == 1 else "")
                                  + " (or unset)")
+            object.__setattr__(self, name, float(v))
+        if self.megatron_mimo_reorder_calibrate not in _CALIBRATE_MODES:
+            raise ValueError(f"megatron_mimo_reorder_calibrate={self.megatron_mimo_reorder_calibrate!r}: must be one "
+                             f"of {', '.join(_CALIBRATE_MODES)}")
+        for name, (lo, hi, closed) in _CALIBRATE_RANGES.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < lo or (
+                    hi is not None and (v > hi if closed else v >= hi)):
+                top = "" if hi is None else f" and {'<=' if closed else '<'} {hi:g}"
+                raise ValueError(f"{name}={v!r}: must be a finite number >= {lo:g}{top}")
             object.__setattr__(self, name, float(v))
         if not isinstance(self.balancer, str):
             raise ValueError(f"megatron_mimo_reorder_balancer={self.balancer!r}: must be a balancer name (str)")
@@ -206,6 +226,18 @@ class ReorderConfig:
     @property
     def verify(self) -> int:
         return self.megatron_mimo_reorder_verify
+
+    @property
+    def calibrate(self) -> str:
+        return self.megatron_mimo_reorder_calibrate
+
+    def calibration_settings(self) -> dict:
+        """The `reorder.runtime.calibration.Calibration` keyword arguments this config sets."""
+        return dict(mode=self.calibrate, window_size=self.window_size,
+                    every=self.megatron_mimo_reorder_calibrate_every,
+                    min_r2=self.megatron_mimo_reorder_calibrate_min_r2,
+                    min_gain=self.megatron_mimo_reorder_calibrate_min_gain,
+                    drift=self.megatron_mimo_reorder_calibrate_drift)
 
     @property
     def needs_attention_mask(self) -> bool:
@@ -335,6 +367,21 @@ def add_reorder_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="runtime self-check: per-sample checksums travel with each window and every receiver "
                         "checks what it assembled; a mismatch stops every rank of the group with the window, "
                         "sample, field and source rank (0: off, 1: every window, N: every N-th)")
+    g.add_argument("--reorder-calibrate", dest="megatron_mimo_reorder_calibrate", default=d.calibrate,
+                   choices=_CALIBRATE_MODES,
+                   help="online cost calibration from measured step times (buf.timed_step()): off, shadow "
+                        "(fit and report, never switch) or on (switch to the fitted weights)")
+    g.add_argument("--reorder-calibrate-every", dest="megatron_mimo_reorder_calibrate_every", type=int,
+                   default=d.megatron_mimo_reorder_calibrate_every, help="windows of measurements per fit")
+    g.add_argument("--reorder-calibrate-min-r2", dest="megatron_mimo_reorder_calibrate_min_r2", type=float,
+                   default=d.megatron_mimo_reorder_calibrate_min_r2, help="switch only when the fit's R^2 >= this")
+    g.add_argument("--reorder-calibrate-min-gain", dest="megatron_mimo_reorder_calibrate_min_gain", type=float,
+                   default=d.megatron_mimo_reorder_calibrate_min_gain,
+                   help="switch only when the predicted relative gain in step-time spread >= this (0..1)")
+    g.add_argument("--reorder-calibrate-drift", dest="megatron_mimo_reorder_calibrate_drift", type=float,
+                   default=d.megatron_mimo_reorder_calibrate_drift,
+                   help="after a switch, re-fit when the active weights' RMS residual exceeds (1 + this) x its "
+                        "value at the switch")
     g.add_argument("--reorder-shadow", dest="megatron_mimo_reorder_shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
     g.add_argument("--reorder-image-token-id", dest="megatron_mimo_reorder_image_token_id", type=int,

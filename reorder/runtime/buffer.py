@@ -180,6 +180,8 @@ class ReorderingBuffer(_Consumption):
         self.overlap = overlap
         self._inline = False  # the consumer is exchanging a run of skipped windows itself
         self._from_worker = False  # the ready micro-batches came from the worker (their slot is released)
+        self.calibration = None  # reorder.runtime.calibration.Calibration, set by `calibrate`
+        self._serving = (-1, 0)  # (window, slots) of the ready micro-batches
         if overlap:
             check_overlap_allowed(exchanger.device)
             self._queue: queue.Queue = queue.Queue()
@@ -203,11 +205,48 @@ class ReorderingBuffer(_Consumption):
                 return window, e
         return window, None
 
+    def _exchange(self, window, error):
+        """One window's exchange; first, on every rank alike, the calibration's fit (when one is due),
+        whose new cost model the round plans this window and the next ones with."""
+        if self.calibration is not None:
+            cost = self.calibration.before_window(self._ex.round.cost)
+            if cost is not None:
+                self._ex.round.cost = cost
+        return self._ex.exchange(window, error)
+
+    def calibrate(self, calibration) -> None:
+        """Attach a `reorder.runtime.calibration.Calibration` (before the first next()); its lag
+        follows this buffer (1 window, ahead + 1 with overlap, one more on CUDA)."""
+        if self._begun:
+            raise RuntimeError("calibrate after iteration started: attach the calibration before the first next()")
+        cuda = self._ex.device is not None and self._ex.device.type == "cuda"
+        calibration.lag = (self.ahead + 1 if self.overlap else 1) + int(cuda)
+        self.calibration = calibration
+
+    def __next__(self):
+        mb = super().__next__()
+        if self.calibration is not None:
+            window, slots = self._serving
+            self.calibration.served(window, slots - len(self._ready) - 1, mb)
+        return mb
+
+    def timed_step(self):
+        """`with buf.timed_step():` around forward + backward of the micro-batch just taken: its time
+        and features feed the calibration (a no-op context without one)."""
+        if self.calibration is None:
+            return contextlib.nullcontext()
+        return self.calibration.timed_step(self._ex.round.cost)
+
+    def record_step_ms(self, ms) -> bool:
+        """The measured step time (ms) of the micro-batch just taken; False when refused or not calibrating."""
+        return False if self.calibration is None else self.calibration.record_step_ms(ms, self._ex.round.cost)
+
     def _record(self, report: WindowReport | None):
         if report is None:
             return
         self.reports.append(report)
         self._windows += 1
+        self._serving = (self._windows - 1, report.slots)
         if self.log_every and self._windows % self.log_every == 0 and (self.log_all_ranks or self._ex.grid.rank == 0):
             log.info("%sdp rank %d of %d, window %d: spread %.3f -> %.3f, moved %d/%d samples (%.1f MiB), "
                      "plan %.2f ms, exchange %.2f ms", f"{self.log_module} " if self.log_module else "",
@@ -240,7 +279,7 @@ class ReorderingBuffer(_Consumption):
             return self._exchange_inline() if self._inline else self._next_overlap()
         window, error = self._read_window()
         try:
-            out, report = self._ex.exchange(window, error)
+            out, report = self._exchange(window, error)
         except BaseException:
             self._done = True
             raise
@@ -297,7 +336,7 @@ class ReorderingBuffer(_Consumption):
                     return False
             return not self._stop.is_set()
         window, error = self._read_window()
-        out, report = self._ex.exchange(window, error)
+        out, report = self._exchange(window, error)
         if not window:
             self._put(_END)
             return False
@@ -342,7 +381,7 @@ class ReorderingBuffer(_Consumption):
         after the run's last one, hand the worker its slot back for the next planned window."""
         try:
             window, error = self._read_window()
-            out, report = self._ex.exchange(window, error)
+            out, report = self._exchange(window, error)
         except BaseException:
             self._finish()
             raise
@@ -418,6 +457,15 @@ class PassThroughBuffer(_Consumption):
         except StopIteration:
             self._done = True
             raise
+
+    calibration = None
+
+    def timed_step(self):
+        """No calibration with reordering off: a no-op context."""
+        return contextlib.nullcontext()
+
+    def record_step_ms(self, ms) -> bool:
+        return False
 
     def close(self, timeout: float = 30.0) -> None:
         """End the stream (nothing runs in the background)."""
