@@ -460,6 +460,10 @@ class PassThroughBuffer(_Consumption):
 
     calibration = None
 
+    def calibrate(self, calibration) -> None:
+        """Reordering off plans nothing: there is no cost model to calibrate (a no-op, so a training
+        script runs the same with reordering on or off)."""
+
     def timed_step(self):
         """No calibration with reordering off: a no-op context."""
         return contextlib.nullcontext()
