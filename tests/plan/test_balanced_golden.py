@@ -17,6 +17,7 @@ import numpy as np
 from reorder.plan.balancers import balanced
 
 GOLDEN = Path(__file__).parent / "golden" / "balanced_plans.json"
+DIGESTS = Path(__file__).parent / "golden" / "balanced_digests.json"
 SHAPES = [(2, 2), (2, 5), (2, 8), (3, 4), (4, 2), (4, 6), (5, 3), (8, 4), (8, 16), (16, 2), (16, 8), (32, 4),
           (64, 2), (64, 8), (100, 3), (300, 2)]
 KINDS = ("lognormal", "pareto", "integers", "zeros")
@@ -98,3 +99,42 @@ def test_balanced_gives_the_golden_plans():
     assert got.keys() == want.keys()
     differ = [k for k in want if got[k] != want[k]]
     assert not differ, f"{len(differ)} of {len(want)} plans changed, first {differ[0]}: {got[differ[0]]} != {want[differ[0]]}"
+
+
+def more_instances() -> dict:
+    """name -> (costs, groups): many more seeds of the same families (plans pinned by digest)."""
+    from support.costs import vlm_costs
+
+    out = {}
+    for g, m in TIED:
+        for seed in range(10, 50):
+            out[f"tied {g}x{m} {seed}"] = (tied(g, m, seed), g)
+    for g, m in CLASSES:
+        for kind in range(6):
+            for seed in range(6 if g * m <= 128 else 2):
+                out[f"class {g}x{m} vlm {kind} {seed}"] = (vlm_costs(np.random.default_rng((g, m, kind, seed)), g * m,
+                                                                      kind), g)
+    rng = np.random.default_rng(2024)
+    for i in range(300):
+        g, m = int(rng.integers(2, 13)), int(rng.integers(2, 11))
+        costs = np.where(rng.random(g * m) < 0.3, 0.0, np.round(rng.lognormal(4, 1.5, g * m), int(rng.integers(0, 3))))
+        out[f"mixed {i} {g}x{m}"] = (costs, g)
+    return out
+
+
+def digests() -> dict:
+    """name -> the first 16 hex digits of the SHA-256 of the plan's text."""
+    import hashlib
+
+    return {name: hashlib.sha256(" ".join(map(str, balanced(c, g).tolist())).encode()).hexdigest()[:16]
+            for name, (c, g) in more_instances().items()}
+
+
+def test_balanced_gives_the_golden_plans_on_many_more_seeds():
+    got = digests()
+    if os.environ.get("REORDER_ACCEPT_GOLDEN") == "1":
+        DIGESTS.write_text(json.dumps(got, indent=0) + "\n")
+    want = json.loads(DIGESTS.read_text())
+    assert got.keys() == want.keys()
+    differ = [k for k in want if got[k] != want[k]]
+    assert not differ, f"{len(differ)} of {len(want)} plans changed, first {differ[0]}"

@@ -317,3 +317,31 @@ def test_lpt_partition_and_max_are_the_references():
             visit = np.argsort(-c, kind="stable")
             assert bal._lpt_members(c, groups).tolist() == [sorted(order[j * m:(j + 1) * m]) for j in range(groups)]
             assert bal._lpt_max(c, groups, visit) == max(ref.group_loads(c.tolist(), order, groups))
+
+
+@pytest.mark.parametrize("iters", [1, 2, 5, 16])
+def test_improve_spends_exactly_its_step_budget(monkeypatch, iters):
+    """`_improve` gives the local search what is left of `iters`: each round uses the steps the search
+    took plus one (the gather or re-split between searches), and no round starts once they are spent."""
+    calls = []
+    real = bal._local_search
+
+    def counted(M, C, L, target, left, K):
+        it, stuck = real(M, C, L, target, left, K)
+        calls.append((left, it, stuck))
+        return it, stuck
+
+    monkeypatch.setattr(bal, "_local_search", counted)
+    rng = np.random.default_rng(iters)
+    for kind in KINDS:
+        for groups, m in ((4, 3), (3, 4), (8, 2)):
+            c, M, C, L = random_state(rng, groups, m, kind)
+            calls.clear()
+            bal._improve(M, C, L, 0.0, iters, groups - 1)  # target 0: never reached, so only the budget stops it
+            left = iters
+            for k, (given, it, stuck) in enumerate(calls):
+                assert given == left and 0 <= it <= given, (kind, calls)
+                left -= it + 1
+                if k < len(calls) - 1:
+                    assert stuck and left > 0, (kind, calls)
+            assert calls and (left <= 0 or calls[-1][2]), (kind, calls)
