@@ -86,19 +86,25 @@ def instances() -> dict:
     return out
 
 
-def plans() -> dict:
-    """name -> the plan as text (the canonical order's sample indices, space-separated: a line each)."""
-    return {name: " ".join(map(str, balanced(costs, groups).tolist())) for name, (costs, groups) in instances().items()}
+def plan_text(costs, groups) -> str:
+    """The plan as text: the canonical order's sample indices, space-separated."""
+    return " ".join(map(str, balanced(costs, groups).tolist()))
+
+
+def check_golden(path: Path, got: dict, show_plans: bool) -> None:
+    """`got` (name -> value) equals the golden file at `path` (rewritten first with
+    REORDER_ACCEPT_GOLDEN=1); the message names the first instance that changed."""
+    if os.environ.get("REORDER_ACCEPT_GOLDEN") == "1":
+        path.write_text(json.dumps(got, indent=0) + "\n")
+    want = json.loads(path.read_text())
+    assert got.keys() == want.keys()
+    differ = [k for k in want if got[k] != want[k]]
+    first = f": {got[differ[0]]} != {want[differ[0]]}" if differ and show_plans else ""
+    assert not differ, f"{len(differ)} of {len(want)} plans changed, first {differ[0]}{first}"
 
 
 def test_balanced_gives_the_golden_plans():
-    got = plans()
-    if os.environ.get("REORDER_ACCEPT_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps(got, indent=0) + "\n")
-    want = json.loads(GOLDEN.read_text())
-    assert got.keys() == want.keys()
-    differ = [k for k in want if got[k] != want[k]]
-    assert not differ, f"{len(differ)} of {len(want)} plans changed, first {differ[0]}: {got[differ[0]]} != {want[differ[0]]}"
+    check_golden(GOLDEN, {name: plan_text(c, g) for name, (c, g) in instances().items()}, show_plans=True)
 
 
 def more_instances() -> dict:
@@ -122,19 +128,9 @@ def more_instances() -> dict:
     return out
 
 
-def digests() -> dict:
-    """name -> the first 16 hex digits of the SHA-256 of the plan's text."""
+def test_balanced_gives_the_golden_plans_on_many_more_seeds():
+    """The first 16 hex digits of the SHA-256 of each plan's text."""
     import hashlib
 
-    return {name: hashlib.sha256(" ".join(map(str, balanced(c, g).tolist())).encode()).hexdigest()[:16]
-            for name, (c, g) in more_instances().items()}
-
-
-def test_balanced_gives_the_golden_plans_on_many_more_seeds():
-    got = digests()
-    if os.environ.get("REORDER_ACCEPT_GOLDEN") == "1":
-        DIGESTS.write_text(json.dumps(got, indent=0) + "\n")
-    want = json.loads(DIGESTS.read_text())
-    assert got.keys() == want.keys()
-    differ = [k for k in want if got[k] != want[k]]
-    assert not differ, f"{len(differ)} of {len(want)} plans changed, first {differ[0]}"
+    got = {name: hashlib.sha256(plan_text(c, g).encode()).hexdigest()[:16] for name, (c, g) in more_instances().items()}
+    check_golden(DIGESTS, got, show_plans=False)
