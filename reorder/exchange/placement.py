@@ -24,13 +24,10 @@ class Placement:
 
     target: the device of outputs, send and receive buffers, and of the executor's launches.
     direct: per source buffer, in order: read where it is (True) or copied to `target` first.
-    host_reads: some source is read in place from pinned host memory (its lifetime is then the
-      executor's to guard until the copy completes).
     """
 
     target: torch.device
     direct: tuple
-    host_reads: bool
 
 
 def place(target: torch.device, sources: list, *, reads_pinned_host: bool) -> Placement:
@@ -44,5 +41,4 @@ def place(target: torch.device, sources: list, *, reads_pinned_host: bool) -> Pl
     """
     kernel_reads_host = reads_pinned_host and target.type == "cuda"
     direct = tuple(d == target or (kernel_reads_host and d.type == "cpu" and pinned) for d, pinned in sources)
-    host_reads = any(ok and d != target for ok, (d, _) in zip(direct, sources))
-    return Placement(target=target, direct=direct, host_reads=host_reads)
+    return Placement(target=target, direct=direct)

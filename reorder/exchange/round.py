@@ -107,6 +107,7 @@ class _Pending:
     marks: list  # [(stage, perf_counter)], from ("start", t0)
     window: _Window | None = None
     error: str | None = None
+    signature: str = ""  # this rank's layout signature as sent ("" without a window)
     frames: np.ndarray | None = None
     layout: object = None
     plan: WindowPlan | None = None
@@ -220,11 +221,11 @@ class WindowRound:
                 now.error = str(e)
         sums = self._sent_sums(now.window) if now.checked and now.window is not None else None
         self._mark("prepare")
-        window, slots = now.window, len(now.batches)
+        window = now.window
+        now.signature = "" if window is None else window.layout.signature()
         frame = np.zeros(wire.window_words(self.window_size, self.local_batch, len(COLUMNS), self._sum_words),
                          dtype=np.int64)
-        return wire.encode_window(frame, error=now.error, slots=slots,
-                                  layout="" if window is None else window.layout.signature(),
+        return wire.encode_window(frame, error=now.error, slots=len(now.batches), layout=now.signature,
                                   counts=None if window is None else window.counts.table, sums=sums)
 
     def gathered(self, frames: np.ndarray) -> np.ndarray | None:
@@ -236,8 +237,7 @@ class WindowRound:
         now.frames = np.asarray(frames)
         words = wire.long_text_words(now.frames)
         if words:
-            layout = "" if now.window is None else now.window.layout.signature()
-            return wire.encode_text(wire.window_text(now.error, layout), words)
+            return wire.encode_text(wire.window_text(now.error, now.signature), words)
         self._plan(None)
         return None
 
@@ -249,7 +249,7 @@ class WindowRound:
         """The send buffer and splits of this window's all_to_all, or None when no rank sends
         anything (every rank decides alike from the same plan: no collective then)."""
         now = self._now
-        if now.skipped or now.plan is None or now.moves is None or not now.plan.moves_anything or self.grid.dp == 1:
+        if now.moves is None or not now.plan.moves_anything or self.grid.dp == 1:  # skipped, ended, shadow, natural
             return None
         moves, target = now.moves, now.placement.target
         send = torch.empty(sum(moves.send_splits), dtype=torch.uint8, device=target)

@@ -21,17 +21,15 @@ def test_a_window_of_host_and_device_sources_targets_the_device_whatever_comes_f
     kernel = place(GPU0, list(sources), reads_pinned_host=True)
     assert kernel.target == GPU0
     assert kernel.direct == tuple(s in (PINNED, ON_GPU0) for s in sources)
-    assert kernel.host_reads
     torch_ops = place(GPU0, list(sources), reads_pinned_host=False)
-    assert torch_ops.direct == tuple(s == ON_GPU0 for s in sources) and not torch_ops.host_reads
+    assert torch_ops.direct == tuple(s == ON_GPU0 for s in sources)
 
 
 def test_sources_elsewhere_are_copied_and_host_targets_read_host_memory_in_place():
     assert place(GPU0, [ON_GPU1, PINNED], reads_pinned_host=True).direct == (False, True)
     cpu = place(CPU, [PINNED, PAGEABLE, ON_GPU0], reads_pinned_host=False)
-    assert (cpu.target, cpu.direct, cpu.host_reads) == (CPU, (True, True, False), False)
-    # a host target never counts pinned memory as "read from the host by a kernel"
-    assert place(CPU, [PINNED], reads_pinned_host=True).host_reads is False
+    assert (cpu.target, cpu.direct) == (CPU, (True, True, False))
+    assert place(CPU, [PINNED], reads_pinned_host=True).direct == (True,)  # on the host target: in place
     assert place(GPU0, [], reads_pinned_host=True).direct == ()
 
 
