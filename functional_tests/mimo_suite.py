@@ -783,9 +783,12 @@ def test_soak(args, env):
                 while done < args.iters:
                     run.step()
                     done += 1
-                    if done % 50 == 0:  # a collective stop decision (same on every rank)
+                    if done % 10 == 0:  # a collective stop decision (same on every rank)
                         late = torch.tensor([time.time() - t0 > args.combo_seconds], dtype=torch.int32)
                         dist.all_reduce(late, group=env["gloo"])
+                        if done % 50 == 0:  # a job killed by its launcher still shows how far it got
+                            log(f"soak progress: W {window} overlap {overlap} weight {weight}: {done} iterations "
+                                f"in {time.time() - t0:.0f} s")
                         if late.item():
                             break
                 seconds = time.time() - t0

@@ -4,9 +4,15 @@
 arguments in the same order (dp-1 modules included) and it creates groups only when the canonical
 grid G > 1, never gated on a rank's own DP size. Payloads travel on the data backend, which follows
 where the micro-batches live (NCCL for CUDA tensors, Gloo for host ones). The fixed-size int64
-metadata travels on the data group too when that has NCCL (a private CUDA stream, pinned staging
-buffers: ~0.1 ms instead of Gloo's 0.3+ ms, and it never waits for the training stream's queued
-kernels), else on Gloo; `meta_backend="gloo"` forces Gloo.
+metadata of a synchronous exchange travels on the data group too when that has NCCL (a private CUDA
+stream, pinned staging buffers: ~0.1 ms instead of Gloo's 0.3+ ms, and it never waits for the
+training stream's queued kernels), else on Gloo; `meta_backend="gloo"` forces Gloo. The overlap
+thread's metadata always travels on Gloo: it is the window's rendezvous, so the thread puts a
+collective on the device only once every peer's thread has reached the same window and goes on to
+launch its own without waiting for its consumer. A device collective that waited for a peer's thread
+would hold up a training loop that synchronizes the whole device (Megatron's pipeline P2P does), while
+that peer's thread waits for its consumer, which may wait for this rank's pipeline stage: a deadlock
+(`functional_tests/overlap_sync_cuda.py` shows it). Its latency is hidden behind the training step.
 """
 
 from __future__ import annotations
@@ -132,7 +138,8 @@ def build_groups(modules: dict, *, device=None, data_backend: str | None = None,
     module listing it is returned. data_backend: the payload backend; by default it follows where the
     data lives (`data_backend_for(device)`). device: where the reordered micro-batches live (the
     exchanger's `device`; None: where they are read). meta_backend: "auto" (metadata on the data
-    group's NCCL backend when it has one, else Gloo) or "gloo".
+    group's NCCL backend when it has one, else Gloo; the overlap pair's metadata is always on
+    Gloo, see the module docstring) or "gloo".
     """
     if meta_backend not in ("auto", "gloo"):
         raise ValueError(f"meta_backend={meta_backend!r} is invalid: expected 'auto' or 'gloo'")
@@ -164,7 +171,8 @@ def build_groups(modules: dict, *, device=None, data_backend: str | None = None,
                     data = dist.new_group(ranks, backend=data_backend, timeout=timeout)
                     if module == name and me in ranks and len(ranks) > 1 and sorted(mine) == ranks:
                         coll = TorchCollectives(meta, data, timeout=timeout.total_seconds(),
-                                                meta_on_device=meta_backend == "auto" and "nccl" in data_backend,
+                                                meta_on_device=(pair == "main" and meta_backend == "auto"
+                                                                and "nccl" in data_backend),
                                                 spin=2e-4 if pair == "main" else 0.0)
                         if pair == "main":
                             main = coll
