@@ -25,6 +25,8 @@ for phase in ${PHASES:-lifetime gpu hetero}; do
       for n in 2 4 8; do job "lifetime_dp$n" torchrun --standalone --nproc-per-node $n functional_tests/lifetime_cuda.py; done
       job selfcheck_defect_dp1 python3 functional_tests/lifetime_cuda.py --defect  # the self-check catches it
       job selfcheck_defect_dp4 torchrun --standalone --nproc-per-node 4 functional_tests/lifetime_cuda.py --defect
+      # the overlap thread next to a loop that synchronizes the device, consumed in a chain (pipeline-like)
+      for n in 2 4; do job "overlap_sync_n$n" torchrun --standalone --nproc-per-node $n functional_tests/overlap_sync_cuda.py; done
       job cdmc1_overlap_refused env CUDA_DEVICE_MAX_CONNECTIONS=1 python3 -c "
 import torch
 from reorder.runtime.buffer import check_overlap_allowed
