@@ -98,7 +98,7 @@ class _NoCopies:
 
     name, reads_pinned_host = "none", False
 
-    def run(self, segments, sources, destinations) -> None:
+    def run(self, segments, sources, destinations, held=None) -> None:
         pass
 
 

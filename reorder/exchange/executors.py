@@ -96,7 +96,7 @@ class Executor(Protocol):
     name: str
 
     def run(self, segments: Segments, sources: list[torch.Tensor],
-            destinations: list[torch.Tensor]) -> None: ...
+            destinations: list[torch.Tensor], held: tuple | None = None) -> None: ...
 
 
 class TorchExecutor:
@@ -118,7 +118,8 @@ class TorchExecutor:
         self.gather_min_segments = int(gather_min_segments)
 
     def run(self, segments: Segments, sources: list[torch.Tensor],
-            destinations: list[torch.Tensor]) -> None:
+            destinations: list[torch.Tensor], held: tuple | None = None) -> None:
+        """held is not needed here: torch's copies are readers the caching allocators see."""
         check_bounds(segments, sources, destinations)
         s = segments.merged()  # each segment costs a copy_ here: fuse the contiguous ones first
         if not len(s):
@@ -278,7 +279,9 @@ class TritonExecutor:
             alive.wait()  # a held block must not return to the host allocator while a kernel reads it
 
     def run(self, segments: Segments, sources: list[torch.Tensor],
-            destinations: list[torch.Tensor]) -> None:
+            destinations: list[torch.Tensor], held: tuple | None = None) -> None:
+        """held: per source, keep it referenced until the launch completes (the window's
+        `Placement.held`); None: every host source (a caller without a placement)."""
         src_ptr, dst_ptr = check_bounds(segments, sources, destinations)
         live = segments.nbytes > 0
         if not live.any():
@@ -289,9 +292,10 @@ class TritonExecutor:
         try:
             self._launch(segments, src_ptr, dst_ptr, device)
             if not self.interpret:
-                host = [t for t in sources if not t.is_cuda]
-                if host:
-                    self.alive.hold(host, torch.cuda.current_stream(device))
+                keep = [t for t in sources if not t.is_cuda] if held is None else \
+                    [t for t, h in zip(sources, held, strict=True) if h]
+                if keep:
+                    self.alive.hold(keep, torch.cuda.current_stream(device))
         except Exception as e:  # e.g. no Triton compiler for this GPU: nothing was copied yet
             self._fallback = TorchExecutor()
             log.warning("reorder: the Triton copy kernel failed (%s: %s); segment copies run the torch "

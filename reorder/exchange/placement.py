@@ -7,8 +7,10 @@ and the executor reads pinned memory directly (the Triton kernel); otherwise it 
 target first. Nothing here depends on which source comes first.
 
 A source read in place from the host is read by the kernel through its raw address, which torch's
-caching host allocator cannot see: the executor must keep such a source referenced until its copy
-is known to be done (`TritonExecutor` holds it until an event recorded after the launch completes).
+caching host allocator cannot see: the placement marks it `held`, and the executor keeps every held
+source referenced until an event recorded after its launch completes (`TritonExecutor`, through
+`KeepAlive`). Every other buffer's readers are torch ops or collectives, which the caching
+allocators see (docs/design.md, "Placement and lifetimes").
 """
 
 from __future__ import annotations
@@ -23,22 +25,30 @@ class Placement:
     """One window's placement.
 
     target: the device of outputs, send and receive buffers, and of the executor's launches.
+    executor: the name of the executor that runs the window's launches on `target` ("triton" or
+        "torch").
     direct: per source buffer, in order: read where it is (True) or copied to `target` first.
+    held: per source buffer: read in place from host memory by a kernel on the device, so kept
+        referenced until an event recorded after the launch that reads it completes.
     """
 
     target: torch.device
+    executor: str
     direct: tuple
+    held: tuple
 
 
-def place(target: torch.device, sources: list, *, reads_pinned_host: bool) -> Placement:
+def place(target: torch.device, sources: list, *, executor: str, reads_pinned_host: bool) -> Placement:
     """The placement of a window whose outputs go to `target`.
 
     Args:
         target: where the reordered micro-batches go (the exchanger's `device`, else where input_ids
             lives), a CUDA device with its index.
         sources: per source buffer, (its device, whether it is pinned host memory).
+        executor: the name of the target's executor.
         reads_pinned_host: the target's executor reads pinned host memory directly.
     """
     kernel_reads_host = reads_pinned_host and target.type == "cuda"
     direct = tuple(d == target or (kernel_reads_host and d.type == "cpu" and pinned) for d, pinned in sources)
-    return Placement(target=target, direct=direct)
+    held = tuple(x and target.type == "cuda" and d.type == "cpu" for x, (d, _) in zip(direct, sources))
+    return Placement(target=target, executor=executor, direct=direct, held=held)

@@ -253,7 +253,7 @@ class WindowRound:
             return None
         moves, target = now.moves, now.placement.target
         send = torch.empty(sum(moves.send_splits), dtype=torch.uint8, device=target)
-        self._executor(target).run(moves.pack, now.sources, [send])
+        self._executor(target).run(moves.pack, now.sources, [send], held=now.placement.held)
         now.outgoing = Outgoing(send, list(moves.send_splits), list(moves.recv_splits))
         self._mark("pack")
         return now.outgoing
@@ -424,10 +424,11 @@ class WindowRound:
         executor on the target device (the others, e.g. host buffers that are not pinned, are moved
         there whole, by DMA)."""
         dev = self._target(window)
-        reads_pinned = getattr(self._executor(dev), "reads_pinned_host", False)
+        executor = self._executor(dev)
+        reads_pinned = getattr(executor, "reads_pinned_host", False)
         bufs = [t for shard, blobs in zip(window.shards, window.blobs) for t in field_buffers(layout, shard, blobs)]
         placement = place(dev, [(t.device, reads_pinned and t.device.type == "cpu" and t.is_pinned()) for t in bufs],
-                          reads_pinned_host=reads_pinned)
+                          executor=executor.name, reads_pinned_host=reads_pinned)
         return placement, [t if direct else t.to(dev, non_blocking=True) for t, direct in zip(bufs, placement.direct)]
 
     def _nothing_received(self, device) -> torch.Tensor:
@@ -450,7 +451,8 @@ class WindowRound:
             counts = [SampleCounts(moves.out_counts.table[s]) for s in todo]
             made = [empty_shard(layout, c, dev) for c in counts]
             now.made = dict(zip(todo, [bufs for _, bufs in made]))
-            self._executor(dev).run(moves.assemble, buffers, [t for _, bufs in made for t in bufs])
+            self._executor(dev).run(moves.assemble, buffers, [t for _, bufs in made for t in bufs],
+                                    held=(False,) + now.placement.held)  # buffers: the received one, then the sources
             for s, c, (shard, bufs) in zip(todo, counts, made):
                 if layout.lists:
                     read_lists(shard, bufs[-1], c)

@@ -36,7 +36,7 @@ class Faulty(TorchExecutor):
         super().__init__()
         self.fault, self.done = fault, False
 
-    def run(self, segments, sources, destinations):
+    def run(self, segments, sources, destinations, held=None):
         live = segments.take(segments.nbytes > 0)
         if self.done or not len(live):
             return super().run(segments, sources, destinations)
