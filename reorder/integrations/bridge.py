@@ -418,7 +418,7 @@ class ReorderingBuffer:
 
         from reorder import CostModel, Grid, plan_orders
 
-        self._grid = Grid(groups=n_groups, dp=dp_size, rank=dp_rank)
+        self._grid = Grid(size=n_groups, dp=dp_size, rank=dp_rank)
         plan_orders(np.zeros((1, n_groups)), n_groups, balancer)  # an unknown balancer raises here
         model = _vectorized_cost(cost_of)
         self._vectorized = model is not None
@@ -436,6 +436,32 @@ class ReorderingBuffer:
         self._overlap = bool(overlap) and dp_size > 1 and self._device is not None
         self._inner = None
         self._ended = False
+        self._calibration = None
+
+    # ---- online calibration (an addition: reorder.runtime.calibration) -------------------------
+
+    @property
+    def calibration(self):
+        """The attached `reorder.runtime.calibration.Calibration`, or None."""
+        return self._calibration
+
+    def calibrate(self, calibration) -> None:
+        """Attach a `Calibration` before the first next() (`reorder.integrations.calibrate.enable_calibration`
+        builds one); without collectives of its own it fits on this module's DP group."""
+        if self._inner is not None or self._ended:
+            raise RuntimeError("calibrate after iteration started: attach the calibration before the first next()")
+        self._calibration = calibration
+
+    def timed_step(self):
+        """`with buf.timed_step():` around forward + backward of the micro-batch just taken (a no-op
+        context without a calibration)."""
+        import contextlib
+
+        return contextlib.nullcontext() if self._inner is None else self._inner.timed_step()
+
+    def record_step_ms(self, ms) -> bool:
+        """The measured step time (ms) of the micro-batch just taken; False when refused or not calibrating."""
+        return False if self._inner is None else self._inner.record_step_ms(ms)
 
     @property
     def _thread(self):
@@ -501,6 +527,10 @@ class ReorderingBuffer:
                              device=self._device if grid.dp > 1 else None,
                              early_copy=not self._overlap and grid.dp > 1, **self._hooks)
         self._inner = _Buffer(itertools.chain([first], self._data), ex, overlap=self._overlap)
+        if self._calibration is not None:
+            if self._calibration.collectives is None and collectives is not None:
+                self._calibration.collectives = collectives
+            self._inner.calibrate(self._calibration)
 
     def shutdown(self) -> None:
         """Stop the overlap worker (if any) and wait briefly for it to exit."""

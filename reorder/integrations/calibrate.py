@@ -90,10 +90,14 @@ def fit_cost_weights(features, times, *, names=FEATURES, intercept: bool = True)
 
 
 def enable_calibration(buffer, config, *, group=None, collectives=None, tag: int = 0):
-    """Attach online calibration (`reorder.runtime.calibration`) to a buffer `wrap` returned, from a
-    `ReorderConfig` (its `megatron_mimo_reorder_calibrate*` fields) or a mode string; call it on
-    every rank before the first next(). Returns the `Calibration` (also `buffer.calibration`), or
-    None with calibration off or reordering off (a PassThroughBuffer).
+    """Attach online calibration (`reorder.runtime.calibration`) to a buffer `wrap` returned, or to the
+    Megatron-Bridge drop-in (`reorder.integrations.bridge.ReorderingBuffer`), from a `ReorderConfig`
+    (its `megatron_mimo_reorder_calibrate*` fields) or a mode string; call it on every rank before the
+    first next(). Returns the `Calibration` (also `buffer.calibration`), or None with calibration off
+    or reordering off (a PassThroughBuffer).
+
+    `wrap` already attaches the config's calibration (on a group spanning every module): then, given
+    neither `group` nor `collectives`, this returns that one.
 
     The fit group: `collectives` (a `reorder.exchange.collectives.Collectives`), or `group` (a
     torch.distributed group, wrapped with a Gloo metadata group over its ranks: create it on every
@@ -101,13 +105,22 @@ def enable_calibration(buffer, config, *, group=None, collectives=None, tag: int
     group spanning every rank of every module (e.g. `torch.distributed.group.WORLD`) so that every
     module fits the same rows and switches at the same window; `tag` is then this rank's module index.
     With overlap the group is used on the overlap thread: give one no other thread uses."""
+    from reorder.integrations.bridge import ReorderingBuffer as BridgeBuffer
     from reorder.runtime.buffer import ReorderingBuffer
     from reorder.runtime.calibration import Calibration
 
-    settings = (dict(mode=config, window_size=getattr(getattr(buffer, "_ex", None), "window_size", 1))
-                if isinstance(config, str) else config.calibration_settings())
-    if settings["mode"] == "off" or not isinstance(buffer, ReorderingBuffer):
+    bridge = isinstance(buffer, BridgeBuffer)
+    if not isinstance(buffer, ReorderingBuffer) and not bridge:
         return None
+    if isinstance(config, str):
+        window = buffer._window_size if bridge else buffer._ex.window_size
+        settings = dict(mode=config, window_size=window)
+    else:
+        settings = config.calibration_settings()
+    if settings["mode"] == "off":
+        return None
+    if buffer.calibration is not None and group is None and collectives is None:
+        return buffer.calibration
     if collectives is None and group is not None:
         import torch.distributed as dist
 
@@ -116,8 +129,8 @@ def enable_calibration(buffer, config, *, group=None, collectives=None, tag: int
         ranks = dist.get_process_group_ranks(group)
         meta = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
         collectives = TorchCollectives(meta, group)
-    if collectives is None:
+    if collectives is None and not bridge:
         collectives = buffer._ex.collectives
-    cal = Calibration(collectives=collectives, tag=tag, **settings)
+    cal = Calibration(collectives=collectives, tag=tag, **settings)  # the drop-in fills in its DP group
     buffer.calibrate(cal)
     return cal

@@ -41,7 +41,8 @@ _COST_FIELDS = {
 _INTEGERS = {"megatron_mimo_reorder_window_size": 1, "megatron_mimo_reorder_spatial_merge_size": 1,
              "megatron_mimo_reorder_overlap_ahead": 1, "megatron_mimo_reorder_image_token_id": 0,
              "megatron_mimo_reorder_vision_start_token_id": 0, "megatron_mimo_reorder_gate_backoff": 0,
-             "megatron_mimo_reorder_verify": 0, "megatron_mimo_reorder_calibrate_every": 1}
+             "megatron_mimo_reorder_verify": 0, "megatron_mimo_reorder_calibrate_every": 1,
+             "megatron_mimo_reorder_calibrate_history": 1}
 _CALIBRATE_MODES = ("off", "shadow", "on")
 # calibration thresholds -> (lowest, highest or None, highest included)
 _CALIBRATE_RANGES = {"megatron_mimo_reorder_calibrate_min_r2": (0.0, 1.0, True),
@@ -81,7 +82,8 @@ class ReorderConfig:
     megatron_mimo_reorder_calibrate_every: int = 4  # windows of measurements per fit
     megatron_mimo_reorder_calibrate_min_r2: float = 0.8  # a fit switches only with R^2 >= this
     megatron_mimo_reorder_calibrate_min_gain: float = 0.05  # ... and a predicted relative spread gain >= this
-    megatron_mimo_reorder_calibrate_drift: float = 0.25  # re-fit when the active RMS residual grows by this fraction
+    megatron_mimo_reorder_calibrate_drift: float = 0.25  # re-fit when the residual on new steps grows by this fraction
+    megatron_mimo_reorder_calibrate_history: int = 8  # fits whose rows the calibration pool keeps (per regime)
 
     def __post_init__(self):
         self._parse_fields()
@@ -237,7 +239,8 @@ class ReorderConfig:
                     every=self.megatron_mimo_reorder_calibrate_every,
                     min_r2=self.megatron_mimo_reorder_calibrate_min_r2,
                     min_gain=self.megatron_mimo_reorder_calibrate_min_gain,
-                    drift=self.megatron_mimo_reorder_calibrate_drift)
+                    drift=self.megatron_mimo_reorder_calibrate_drift,
+                    history=self.megatron_mimo_reorder_calibrate_history)
 
     @property
     def needs_attention_mask(self) -> bool:
@@ -380,8 +383,11 @@ def add_reorder_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="switch only when the predicted relative gain in step-time spread >= this (0..1)")
     g.add_argument("--reorder-calibrate-drift", dest="megatron_mimo_reorder_calibrate_drift", type=float,
                    default=d.megatron_mimo_reorder_calibrate_drift,
-                   help="after a switch, re-fit when the active weights' RMS residual exceeds (1 + this) x its "
-                        "value at the switch")
+                   help="re-fit when the last fit's RMS residual on two consecutive blocks of new measurements "
+                        "exceeds (1 + this) x the residual it expects (the step time drifted)")
+    g.add_argument("--reorder-calibrate-history", dest="megatron_mimo_reorder_calibrate_history", type=int,
+                   default=d.megatron_mimo_reorder_calibrate_history,
+                   help="fits whose measurements the calibration keeps and fits together (a drift restarts them)")
     g.add_argument("--reorder-shadow", dest="megatron_mimo_reorder_shadow", action="store_true",
                    help="plan and log what reordering would do, move nothing")
     g.add_argument("--reorder-image-token-id", dest="megatron_mimo_reorder_image_token_id", type=int,

@@ -290,6 +290,11 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
     log_every: every N windows, log a metrics line to the logger "reorder" (INFO) naming the module
       and the DP rank, from DP rank 0 of each module (every rank with log_all_ranks).
 
+    With `megatron_mimo_reorder_calibrate` shadow or on, the buffer calibrates its cost model online
+    (`buf.calibration`; time each step with `buf.timed_step()` or `buf.record_step_ms(ms)`): its fit
+    group spans every rank of every module (a Gloo group `wrap` creates), so every module switches
+    its weights at the same window.
+
     Rejects (`check_layout`) encoder PP > 1, encoder dp > language dp, language dp not a multiple of
     encoder dp, no fixed-width padding, context parallelism, modules sharing only some ranks, colocated
     modules with different DP groups, and a colocated language model with PP > 1.
@@ -320,8 +325,27 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
     rg = build_groups(dp_groups, device=dev, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
     ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, device=dev, **cfg.exchanger_settings(),
                          collectives=rg.side if cfg.overlap else rg.main, early_copy=not cfg.overlap)
-    return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
-                            ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks)
+    buf = ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
+                           ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks)
+    if cfg.calibrate != "off":
+        _attach_calibration(buf, cfg, dp_groups, module, timeout)
+    return buf
+
+
+def _attach_calibration(buf, cfg: ReorderConfig, dp_groups: dict, module: str, timeout) -> None:
+    """The config's online calibration (`megatron_mimo_reorder_calibrate*`) on a fit group spanning
+    every rank of every module (a Gloo group of its own, created on every rank like the DP groups):
+    every module fits the same rows and switches at the same window, so the plans stay identical.
+    `tag` is the module's index in `grids`."""
+    import torch.distributed as dist
+
+    from reorder.exchange.dist import TorchCollectives
+    from reorder.runtime.calibration import Calibration
+
+    ranks = sorted({r for groups in dp_groups.values() for g in groups for r in g})
+    group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    buf.calibrate(Calibration(collectives=TorchCollectives(group, group), tag=list(dp_groups).index(module),
+                              **cfg.calibration_settings()))
 
 
 def _micro_batch_size(micro_batch_size: int | None, global_batch: int | None) -> int:

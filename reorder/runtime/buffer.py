@@ -32,6 +32,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -207,12 +208,20 @@ class ReorderingBuffer(_Consumption):
 
     def _exchange(self, window, error):
         """One window's exchange; first, on every rank alike, the calibration's fit (when one is due),
-        whose new cost model the round plans this window and the next ones with."""
-        if self.calibration is not None:
-            cost = self.calibration.before_window(self._ex.round.cost)
-            if cost is not None:
-                self._ex.round.cost = cost
-        return self._ex.exchange(window, error)
+        whose new cost model the round plans this window and the next ones with. With a calibration
+        the report is a CalibratedWindowReport carrying that fit's report (None without a fit)."""
+        cal = self.calibration
+        if cal is None:
+            return self._ex.exchange(window, error)
+        fits = len(cal.reports)
+        cost = cal.before_window(self._ex.round.cost)
+        if cost is not None:
+            self._ex.round.cost = cost
+        out, report = self._ex.exchange(window, error)
+        if report is not None:
+            report = CalibratedWindowReport.of(report, cal.reports[-1] if len(cal.reports) > fits else None,
+                                               cal.active_since)
+        return out, report
 
     def calibrate(self, calibration) -> None:
         """Attach a `reorder.runtime.calibration.Calibration` (before the first next()); its lag
@@ -248,11 +257,14 @@ class ReorderingBuffer(_Consumption):
         self._windows += 1
         self._serving = (self._windows - 1, report.slots)
         if self.log_every and self._windows % self.log_every == 0 and (self.log_all_ranks or self._ex.grid.rank == 0):
+            fit = getattr(report, "calibration", None)
             log.info("%sdp rank %d of %d, window %d: spread %.3f -> %.3f, moved %d/%d samples (%.1f MiB), "
-                     "plan %.2f ms, exchange %.2f ms", f"{self.log_module} " if self.log_module else "",
+                     "plan %.2f ms, exchange %.2f ms%s", f"{self.log_module} " if self.log_module else "",
                      self._ex.grid.rank, self._ex.grid.dp, self._windows, report.spread_before,
                      report.spread_after, report.moved_samples, report.total_samples, report.moved_bytes / 2**20,
-                     report.plan_ms, report.exchange_ms)
+                     report.plan_ms, report.exchange_ms,
+                     "" if fit is None else f"; calibration: {fit.reason} (R^2 {fit.r2:.3f}, predicted spread "
+                                            f"{fit.predicted_spread_current:.3f} -> {fit.predicted_spread_fit:.3f})")
 
     @property
     def last_report(self) -> WindowReport | None:
@@ -424,6 +436,23 @@ class ReorderingBuffer(_Consumption):
     @property
     def worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibratedWindowReport(WindowReport):
+    """A WindowReport of a buffer that calibrates its cost model: `calibration` is the fit made right
+    before this window's exchange (a `reorder.runtime.calibration.CalibrationReport`: weights, R^2,
+    predicted and measured spreads, the decision, a completed switch outcome), None where no fit was
+    due; `calibrated_since` the window the cost weights this window was planned with hold since (0:
+    the configured ones)."""
+
+    calibration: object = None
+    calibrated_since: int = 0
+
+    @classmethod
+    def of(cls, report: WindowReport, calibration, since: int) -> "CalibratedWindowReport":
+        return cls(**{f.name: getattr(report, f.name) for f in fields(report)}, calibration=calibration,
+                   calibrated_since=since)
 
 
 class PassThroughBuffer(_Consumption):
