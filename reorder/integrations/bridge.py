@@ -450,6 +450,10 @@ class ReorderingBuffer:
         builds one); without collectives of its own it fits on this module's DP group."""
         if self._inner is not None or self._ended:
             raise RuntimeError("calibrate after iteration started: attach the calibration before the first next()")
+        if not self._vectorized:
+            raise ValueError("calibration fits the weights of sample_cost: give cost_of as a functools.partial of "
+                             "sample_cost (a custom cost_of decides the costs itself, so fitted weights would "
+                             "change nothing)")
         self._calibration = calibration
 
     def timed_step(self):

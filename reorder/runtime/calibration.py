@@ -584,23 +584,31 @@ class Calibration:
                                      f"{nfeat} weights, an intercept and one residual); the active weights hold")
         feats = rows[:, 4:4 + nfeat]
         drift = False
-        if self._ref is not None:
-            seen = _rms(rows[:, -1] - self._ref.predict(feats))
-            expected = max(self._ref.expected_rms, 1e-9 * abs(math.fsum(rows[:, -1].tolist())) / len(rows))
+        if self._pending is not None:  # the block after a suspicion: confirm on both, against their own noise
+            both = sort_rows(np.concatenate([self._pending, rows]))
+            own = fit_rows(both[:, 4:4 + nfeat], both[:, -1])
+            noise = own.rms * math.sqrt(own.rows / max(own.rows - own.params, 1))
+            seen = _rms(both[:, -1] - self._ref.predict(both[:, 4:4 + nfeat]))
+            expected = max(noise * math.sqrt(1.0 + self._ref.params / max(self._ref.rows, 1)), self._tiny(both))
             if seen > (1.0 + self.drift) * expected:
-                if self._pending is None:
-                    self._pending = rows
-                    fit = fit_rows(feats, rows[:, -1])
-                    return self._finish(window, first, rows, fit, None, cost, outcome, pooled=len(rows),
-                                        s=self._spreads(rows, fit, cost),
-                                        reason=f"drift suspected: the last fit's RMS residual on {span} is "
-                                               f"{seen:.4g} ms > (1 + drift) x the {expected:.4g} ms expected; a "
-                                               f"re-fit follows if the next windows confirm it")
                 self._pool = [self._pending]
                 self._switch_rows = None
                 drift = True
+        elif self._ref is not None and len(self._pool) >= 2:  # a reference of two blocks or more
+            seen = _rms(rows[:, -1] - self._ref.predict(feats))
+            expected = max(self._ref.expected_rms, self._tiny(rows))
+            if seen > (1.0 + self.drift) * expected:
+                self._pending = rows
+                fit = fit_rows(feats, rows[:, -1])
+                return self._finish(window, first, rows, fit, None, cost, outcome, pooled=len(rows),
+                                    s=self._spreads(rows, fit, cost),
+                                    reason=f"drift suspected: the last fit's RMS residual on {span} is {seen:.4g} ms "
+                                           f"> (1 + drift) x the {expected:.4g} ms expected; a re-fit follows if "
+                                           f"the next windows confirm it")
+        note = "drift confirmed (pool restarted); " if drift else ""
         if not drift and self._pending is not None:
             self._pool.append(self._pending)  # a false alarm: those rows are good
+            note = "drift not confirmed (the suspected windows join the pool); "
         self._pending = None
         self._pool = (self._pool + [rows])[-self.history:]
         pool = sort_rows(np.concatenate(self._pool))
@@ -620,8 +628,7 @@ class Calibration:
             reason = verdict or "shadow: would switch"
             if self.mode == "shadow":
                 reason = reason if reason.startswith("shadow") else f"shadow (never switches): {reason}"
-            if drift:
-                reason = f"drift confirmed (pool restarted); {reason}"
+            reason = note + reason
             return self._finish(window, first, rows, fit, None, cost, outcome, pooled=len(pool), reason=reason,
                                 s=(s_cur, s_fit, gain), drift=drift)
         before = pool[:, 1] >= self._active_since
@@ -631,7 +638,7 @@ class Calibration:
                                    measured_before=measured_spread(pool[before]),
                                    predicted_before=predicted_spread(pool[before], pred_cur[before]),
                                    predicted_after=predicted_spread(pool[before], pred_fit[before]))
-        reason = ("re-fitted after drift" if drift else "refined" if self._switch_rows is not None else "switched")
+        reason = note + ("re-fitted after drift" if drift else "refined" if self._switch_rows is not None else "switched")
         self._switch_rows = len(pool)
         self._active_since = window
         self._active_fit = fit
@@ -639,6 +646,11 @@ class Calibration:
         self.switches.append(window)
         return self._finish(window, first, rows, fit, new, cost, outcome, pooled=len(pool), reason=reason,
                             s=(s_cur, s_fit, gain), drift=drift)
+
+    @staticmethod
+    def _tiny(rows) -> float:
+        """A residual too small to call a drift (a noise-free step time fits to rounding)."""
+        return 1e-9 * abs(math.fsum(rows[:, -1].tolist())) / max(len(rows), 1)
 
     @staticmethod
     def _spreads(rows, fit, cost):
