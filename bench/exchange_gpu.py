@@ -178,7 +178,7 @@ def main():
     for mb in args.dp1_sizes:
         rng = np.random.default_rng(7)
         gs = [syn.to_device(syn.make_global_batch(rng, mb, S, features=F, mix=args.mix), dev) for _ in range(8)]
-        loc = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
+        loc = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
                               device=dev)
         reps = [loc.exchange([g])[1] for g in gs]
         permuted[mb] = sum(bool((r.orders != np.arange(mb)).any()) for r in reps)
@@ -203,7 +203,7 @@ def main():
         hs = [pin(syn.make_global_batch(np.random.default_rng(7 + i), mb, S, features=F, mix=args.mix))
               for i in range(8)]
         k = iter(range(10**9))
-        early = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
+        early = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=mb, cost=cost,
                                 device=dev, early_copy=True)
         dp1_host[mb] = dict(exchange=timed(lambda: loc.exchange([hs[next(k) % 8]]), args.reps * 8),
                             early_copy=timed(lambda: early.exchange([hs[next(k) % 8]]), args.reps * 8),

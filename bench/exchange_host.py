@@ -83,7 +83,7 @@ def main():
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
 
     def make(rank, coll, profile=False):
-        return WindowExchanger(grid=Grid(groups=dp, dp=dp, rank=rank), micro_batch_size=B, cost=cost, window_size=w,
+        return WindowExchanger(grid=Grid(size=dp, dp=dp, rank=rank), micro_batch_size=B, cost=cost, window_size=w,
                                collectives=coll, profile_stages=profile, min_saving=args.min_saving)
 
     def record(rank, coll):  # one real exchange per rank (two threads); keep what the collectives returned

@@ -104,7 +104,7 @@ class _NoCopies:
 
 def _exchanger(args, dev, window_size: int = 1) -> WindowExchanger:
     """The dp-1 exchanger every timing here uses (`--no-copies`: with an executor that copies nothing)."""
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
                          device=dev, window_size=window_size)
     if args.no_copies:
         ex.round._executors[dev] = _NoCopies()

@@ -55,7 +55,7 @@ def main():
             it = iter(batches)
         else:
             gate = "+gate" in mode
-            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=cost,
+            ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, cost=cost,
                                  min_saving=1e18 if gate else None,
                                  gate_backoff=args.gate_backoff if mode.endswith("+backoff") else 0)
             it = ReorderingBuffer(iter(batches), ex, overlap=mode.startswith("overlap"))

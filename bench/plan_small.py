@@ -87,7 +87,7 @@ def measure(sizes, reps: int, seed: int) -> dict:
     rng, rows = np.random.default_rng(seed), {}
     for batch, groups in sizes:
         counts = instance(rng, batch)
-        grid, settings = Grid(groups=groups, dp=groups, rank=0), PlanSettings()
+        grid, settings = Grid(size=groups, dp=groups, rank=0), PlanSettings()
         costs = window_costs(counts, COST, False)[0]
         plan = lambda: plan_window(counts, COST, grid, settings)  # noqa: E731
         balanced = lambda: bal.balanced(costs, groups)  # noqa: E731

@@ -48,7 +48,7 @@ COST = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISIO
 def permuted_batches(mb, seq, features, mix, count=8):
     """`count` micro-batches whose dp-1 plan permutes them (a natural one would copy nothing)."""
     rng, out = np.random.default_rng(7), []
-    probe = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=COST)
+    probe = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=mb, cost=COST)
     while len(out) < count:
         g = syn.make_global_batch(rng, mb, seq, features=features, mix=mix)
         if (probe.exchange([g])[1].orders != np.arange(mb)).any():
@@ -61,8 +61,8 @@ def dp1(args, dev) -> dict:
     host = permuted_batches(args.micro_batch, args.seq_len, args.features, args.mix)
     pinned = [syn.pin(g) for g in host] if dev.type == "cuda" else host
     resident = [syn.to_device(g, dev) for g in host]
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
-    early = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
+    early = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
                             device=dev, early_copy=True)
     k = iter(range(10**9))
     res = dict(dp1_exchange_ms=median_ms(lambda: ex.exchange([pinned[next(k) % 8]]), args.reps, sync, warmup=1),
@@ -80,7 +80,7 @@ def dp1(args, dev) -> dict:
         host_ms.append((time.perf_counter() - t) * 1e3)
         sync()
     res["host_ms_per_window"] = float(np.median(host_ms))
-    staged = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
+    staged = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST,
                              device=dev, profile_stages=True)
     stages = [staged.exchange([resident[i % 8]])[1].stage_ms for i in range(args.reps)]
     res["dp1_stages_ms"] = {k: float(np.median([s[k] for s in stages])) for k in stages[0]}
@@ -99,7 +99,7 @@ def profile(args, dev) -> None:
 
     batches = [syn.to_device(g, dev) for g in permuted_batches(args.micro_batch, args.seq_len, args.features,
                                                                 args.mix)]
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=COST, device=dev)
     ex.exchange([batches[0]])
     pr = cProfile.Profile()
     pr.enable()
@@ -117,7 +117,7 @@ def planning(sizes, reps) -> dict:
         ph = rng.integers(250, 4000, size=(1, batch)) * (rng.random((1, batch)) > 0.3)
         counts = SampleCounts.of(placeholders=ph, real_tokens=rng.integers(100, 4096, size=(1, batch)),
                                  images=(ph > 0).astype(np.int64), rows=ph * 4)
-        grid, size = Grid(groups=groups, dp=groups, rank=groups // 2), f"{batch}x{groups}"
+        grid, size = Grid(size=groups, dp=groups, rank=groups // 2), f"{batch}x{groups}"
         settings = {"balanced": PlanSettings(), "lpt": PlanSettings(balancer="lpt")}
         plans = {name: plan_window(counts, COST, grid, s) for name, s in settings.items()}  # untimed first calls
         times = {name: [] for name in settings}

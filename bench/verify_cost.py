@@ -44,7 +44,7 @@ def main():
     if cuda:
         batches = [syn.pin(b) for b in batches]
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
-    ex = {name: WindowExchanger(grid=Grid(groups=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
+    ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
                                 device=dev, verify=n) for name, n in SETTINGS.items()}
     host = {name: [] for name in SETTINGS}
     device = {name: [] for name in SETTINGS}

@@ -63,7 +63,7 @@ def main():
         cases = {"pinned host -> device": (pinned, dev, False), "pinned host -> device, early_copy": (pinned, dev, True),
                  "device-resident": (on_dev, dev, False), "grid_thw on host, device None": (mixed, None, False)}
         for name, (batches, target, early) in cases.items():
-            ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=target,
+            ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=target,
                                  early_copy=early)
             for k, batch in enumerate(batches):
                 (out,), rep = ex.exchange([batch])
@@ -73,10 +73,10 @@ def main():
                     bad.append(f"mb {mb} batch {k} {name}")
                 if target is not None and any(t.device != resolved(target) for t in tensors(out)):
                     bad.append(f"mb {mb} batch {k} {name}: a tensor is not on {target}")
-        ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev)
+        ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev)
         k = iter(range(10**9))
         timings[f"mb{mb}_from_pinned_ms"] = median_ms(lambda: ex.exchange([pinned[next(k) % 4]]), args.reps, sync)
-        early = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev,
+        early = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=mb, cost=cost, device=dev,
                                 early_copy=True)
         timings[f"mb{mb}_from_pinned_early_copy_ms"] = median_ms(lambda: early.exchange([pinned[next(k) % 4]]),
                                                                  args.reps, sync)

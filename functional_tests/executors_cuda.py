@@ -85,7 +85,7 @@ def check_windows(args, dev) -> int:
         src = syn.pin(g) if k % 2 else syn.to_device(g, dev)
         outs = []
         for ex_ in (TritonExecutor(), TorchExecutor()):
-            ex = WindowExchanger(grid=Grid(groups=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev,
+            ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev,
                                  window_size=2)
             ex.round._executors[torch.device("cuda", dev.index or 0)] = ex_
             (a, b), rep = ex.exchange([src, src])

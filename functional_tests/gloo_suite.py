@@ -170,7 +170,7 @@ def check_own(args, module, grid, outs, cost):
     batches = list(global_batches(args.seed, args.micro_batches, args.micro_batch, args.seq_len, args.features))
     costs = module_costs(batches, module, cost)
     for k, g in enumerate(batches):
-        order = ref.lpt_order([float(c) for c in costs[k]], grid.groups) if args.balancer == "lpt" else None
+        order = ref.lpt_order([float(c) for c in costs[k]], grid.size) if args.balancer == "lpt" else None
         checks.check_rank(g, outs[k], order, grid.dp, grid.rank, fields=fields, vision_start_token_id=syn.VISION_START)
     assert len(batches) == len(outs), f"rank served {len(outs)} micro-batches, source had {len(batches)}"
 

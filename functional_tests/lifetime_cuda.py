@@ -99,7 +99,7 @@ def corrupted_windows(args, out: list, orders: list, dp: int, rank: int, window:
 def run_exchanger(args, groups, dev, *, early: bool, overlap: bool, window: int, verify: int = 0):
     """(micro-batches served, their orders) through WindowExchanger + ReorderingBuffer."""
     coll = None if groups is None else (groups.side if overlap else groups.main)
-    grid = Grid(groups=2, dp=1, rank=0) if groups is None else groups.grid  # dp 1: a local permutation
+    grid = Grid(size=2, dp=1, rank=0) if groups is None else groups.grid  # dp 1: a local permutation
     ex = WindowExchanger(grid=grid, micro_batch_size=args.micro_batch, cost=COST, window_size=window,
                          collectives=coll, device=dev, early_copy=early, verify=verify)
     with ReorderingBuffer(delayed_source(args, grid.dp, grid.rank, args.windows * window), ex,

@@ -30,7 +30,7 @@ SUITES = {
                  "rank_shares(dp)); config: {rank: WindowExchanger kwargs}; source_error: {rank: exception "
                  "its data source raised, that rank passes no micro-batch}"),
     "gloo_config": ("tests/exchange/test_exchange_faults.py::test_config_that_sizes_the_metadata_differs_on_gloo",
-                    "config: {rank: WindowExchanger kwargs} on 2 forked Gloo ranks (Grid(groups=2, dp=2)), each "
+                    "config: {rank: WindowExchanger kwargs} on 2 forked Gloo ranks (Grid(size=2, dp=2)), each "
                     "passing one micro-batch of B/2 zero input_ids [B/2, 8]; run synchronously and through the "
                     "overlap buffer"),
     "buffer": ("tests/runtime/test_buffer.py::test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker",

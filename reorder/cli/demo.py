@@ -214,7 +214,7 @@ class _DemoRank:
             checks.check_world(window, {m: [e["ids"] for e in ranks] for m, ranks in by_module.items()},
                                {m: [np.asarray(e["orders"]) for e in ranks] for m, ranks in by_module.items()},
                                {m: module_costs(window, m, self.cost) for m in self.dps}, self.dps,
-                               groups=self.grid.groups, balancer=self.cfg["balancer"])
+                               groups=self.grid.size, balancer=self.cfg["balancer"])
         except Exception as e:  # noqa: BLE001 - every rank reaches the same verdict on the same data
             return [f"{type(e).__name__}: {e}"]
         return []

@@ -33,7 +33,7 @@ def run_window(global_batches, dp_by_module: dict, *, cost: CostModel, balancer:
         fields = module_fields(name, cost)
 
         def rank_fn(r, coll, dp=dp, fields=fields):
-            ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), micro_batch_size=B, cost=cost,
+            ex = WindowExchanger(grid=Grid(size=groups, dp=dp, rank=r), micro_batch_size=B, cost=cost,
                                  balancer=balancer, window_size=window_size or len(global_batches),
                                  collectives=coll if dp > 1 else None, batch_dims=batch_dims,
                                  **(exchanger_kwargs or {}))

@@ -156,13 +156,13 @@ def build_groups(modules: dict, *, device=None, data_backend: str | None = None,
                 where = (name, g)
     if where is None:
         raise ValueError(f"rank {me} is in no module's DP group: {modules}")
-    groups = canonical_grid(dp_sizes)
+    grid_size = canonical_grid(dp_sizes)
     name, mine = where
-    grid = Grid(groups=groups, dp=len(mine), rank=sorted(mine).index(me))  # DP rank = position in sorted ranks
+    grid = Grid(size=grid_size, dp=len(mine), rank=sorted(mine).index(me))  # DP rank = position in sorted ranks
     if data_backend is None:
         data_backend = data_backend_for(device, torch.cuda.is_available())
     main = side = None
-    if groups > 1:  # same decision on every rank: group creation is world-wide
+    if grid_size > 1:  # same decision on every rank: group creation is world-wide
         for pair in ("main", "side") if overlap else ("main",):
             for module in modules:
                 for ranks in modules[module]:

@@ -130,7 +130,7 @@ class WindowRound:
                  profile_stages: bool = False, min_gain: float | None = None, min_saving: float | None = None,
                  shadow: bool = False, cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0,
                  sample_costs=None, image_counts=None, verify: int = 0):
-        check_micro_batch_size(micro_batch_size, grid.groups)
+        check_micro_batch_size(micro_batch_size, grid.size)
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
             raise ValueError(f"verify={verify!r} is invalid: 0 (off), 1 (every window) or N (every N-th window)")
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
@@ -168,7 +168,7 @@ class WindowRound:
     def config(self) -> dict:
         """Every setting that must match across the DP group, by wire.CONFIG name."""
         c, s = self.cost, self.settings
-        return dict(micro_batch_size=self.micro_batch_size, groups=self.grid.groups, dp=self.grid.dp,
+        return dict(micro_batch_size=self.micro_batch_size, grid_size=self.grid.size, dp=self.grid.dp,
                     window_size=self.window_size, encoder_weight=c.encoder_weight, language_weight=c.language_weight,
                     encoder_quadratic_weight=c.encoder_quadratic_weight,
                     language_quadratic_weight=c.language_quadratic_weight, encoder_image_weight=c.encoder_image_weight,

@@ -418,7 +418,7 @@ class ReorderingBuffer:
 
         from reorder import CostModel, Grid, plan_orders
 
-        self._grid = Grid(groups=n_groups, dp=dp_size, rank=dp_rank)
+        self._grid = Grid(size=n_groups, dp=dp_size, rank=dp_rank)
         plan_orders(np.zeros((1, n_groups)), n_groups, balancer)  # an unknown balancer raises here
         model = _vectorized_cost(cost_of)
         self._vectorized = model is not None

@@ -18,28 +18,48 @@ def canonical_grid(dp_sizes) -> int:
     return math.lcm(*sizes)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Grid:
-    """One module rank's place on the canonical grid: `groups` (G), `dp` (d), `rank` (r)."""
+    """One module rank's place on the canonical grid: its `size` (G, the lcm of every module's DP
+    size: the number of canonical groups), `dp` (d) and `rank` (r).
 
-    groups: int
+    `groups=` (the old name of `size`, before process groups took that word) is accepted with a
+    DeprecationWarning through 0.2.x."""
+
+    size: int
     dp: int
     rank: int
 
-    def __post_init__(self):
+    def __init__(self, *, size: int | None = None, dp: int, rank: int, groups: int | None = None):
+        if groups is not None:
+            if size is not None:
+                raise TypeError("give size= (the canonical grid size G) only: groups= is its old name")
+            warnings.warn("Grid(groups=) is renamed Grid(size=) (the canonical grid size G); groups= is removed "
+                          "in 0.3.0", DeprecationWarning, stacklevel=2)
+            size = groups
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "dp", dp)
+        object.__setattr__(self, "rank", rank)
         if not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(f"dp={self.dp!r} is invalid: a module's DP size must be an integer >= 1")
-        if not isinstance(self.groups, int) or self.groups < 1:
-            raise ValueError(f"groups={self.groups!r} is invalid: the canonical grid must be >= 1")
-        if self.groups % self.dp:
-            raise ValueError(f"canonical grid G={self.groups} is not a multiple of dp={self.dp}: "
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"size={self.size!r} is invalid: the canonical grid size G must be an integer >= 1")
+        if self.size % self.dp:
+            raise ValueError(f"canonical grid G={self.size} is not a multiple of dp={self.dp}: "
                              f"G must be the lcm of all module DP sizes")
         if not 0 <= self.rank < self.dp:
             raise ValueError(f"rank={self.rank} is out of range for dp={self.dp}")
 
     @property
+    def groups(self) -> int:
+        """The old name of `size` (DeprecationWarning; removed in 0.3.0)."""
+        warnings.warn("Grid.groups is renamed Grid.size (the canonical grid size G); groups is removed in 0.3.0",
+                      DeprecationWarning, stacklevel=2)
+        return self.size
+
+    @property
     def groups_per_rank(self) -> int:
-        return self.groups // self.dp
+        return self.size // self.dp
 
     def covered_groups(self) -> range:
         """Groups [r*G/d, (r+1)*G/d) this rank holds."""
@@ -51,12 +71,12 @@ class Grid:
         return group // self.groups_per_rank
 
 
-def check_micro_batch_size(micro_batch_size: int, groups: int) -> None:
-    """B, the global micro-batch (`micro_batch_size`), must be a positive multiple of G so every
-    group gets B/G samples."""
-    if micro_batch_size < 1 or micro_batch_size % groups:
+def check_micro_batch_size(micro_batch_size: int, grid_size: int) -> None:
+    """B, the global micro-batch (`micro_batch_size`), must be a positive multiple of the canonical
+    grid size G so every group gets B/G samples."""
+    if micro_batch_size < 1 or micro_batch_size % grid_size:
         raise ValueError(f"micro_batch_size={micro_batch_size} (B, the global micro-batch) is not a positive "
-                         f"multiple of the canonical grid G={groups}: choose B as a multiple of lcm(DP sizes)")
+                         f"multiple of the canonical grid G={grid_size}: choose B as a multiple of lcm(DP sizes)")
 
 
 def check_global_batch(global_batch: int, groups: int) -> None:

@@ -170,14 +170,14 @@ def plan_window(counts: SampleCounts, cost: CostModel, grid: Grid, settings: Pla
     src_slot = ids // batch
     cross = settings.cross_slot and w > 1
     if cross:  # one assignment over W x G cells: the window is one batch of W*B samples
-        order, gated = plan_gated_orders(costs.reshape(1, costs.size), grid.groups * w, settings.balancer,
+        order, gated = plan_gated_orders(costs.reshape(1, costs.size), grid.size * w, settings.balancer,
                                          settings.min_gain, settings.min_saving)
         orders, gated = order.reshape(w, batch), np.repeat(gated, w)
         flat_pos = inverse(order)[0]  # canonical position in the window's one order
         dest_slot, dest_pos = flat_pos // batch, flat_pos % batch
         after = costs.ravel()[order[0]].reshape(w, grid.dp, batch // grid.dp).sum(axis=2)
     else:
-        orders, gated = plan_gated_orders(costs, grid.groups, settings.balancer, settings.min_gain,
+        orders, gated = plan_gated_orders(costs, grid.size, settings.balancer, settings.min_gain,
                                           settings.min_saving)
         dest_slot = src_slot
         dest_pos = inverse(orders).ravel()

@@ -46,7 +46,7 @@ class Field:
         return TEXT_WORDS if self.kind == "text" else 1
 
 
-CONFIG = (Field("micro_batch_size", "int"), Field("groups", "int"), Field("dp", "int"), Field("window_size", "int"),
+CONFIG = (Field("micro_batch_size", "int"), Field("grid_size", "int"), Field("dp", "int"), Field("window_size", "int"),
           Field("encoder_weight", "float"), Field("language_weight", "float"),
           Field("encoder_quadratic_weight", "float"), Field("language_quadratic_weight", "float"),
           Field("encoder_image_weight", "float"), Field("spatial_merge_size", "int"), Field("image_token_id", "int"),

@@ -27,7 +27,7 @@ def _exchanger(field, rank, collectives):
 
 def _configured(cfg, rank, collectives):
     cfg = {"window_size": 1, "micro_batch_size": 4, **cfg}
-    ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=rank), cost=COST, collectives=collectives, **cfg)
+    ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=rank), cost=COST, collectives=collectives, **cfg)
     return ex, {"input_ids": torch.zeros(cfg["micro_batch_size"] // 2, 8, dtype=torch.int64)}
 
 
@@ -98,7 +98,7 @@ def test_extra_per_image_field_on_a_rank_without_images_is_reordered():
     # costs [4, 0] on two groups: already balanced; costs of a window of two identical slots move nothing.
     # Swap the shares so the image sits on rank 1's natural half and the balancer keeps it there.
     def body(rank, coll):
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=rank), micro_batch_size=2, cost=COST, collectives=coll)
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=rank), micro_batch_size=2, cost=COST, collectives=coll)
         return ex.exchange([_image_sizes_batch(rank)])
 
     results = run_emulated(2, body)
@@ -125,7 +125,7 @@ def test_extra_per_image_field_moves_with_its_sample():
             "image_sizes": torch.zeros(0, 2, dtype=torch.int64)}}}}
 
     def body(rank, coll):
-        ex = WindowExchanger(grid=Grid(groups=3, dp=3, rank=rank), micro_batch_size=3, cost=COST, collectives=coll,
+        ex = WindowExchanger(grid=Grid(size=3, dp=3, rank=rank), micro_batch_size=3, cost=COST, collectives=coll,
                              balancer="lpt")
         (out,), _ = ex.exchange([batch(rank)])
         return out
@@ -145,7 +145,7 @@ def test_grid_thw_components_must_be_at_least_one(thw, placeholders):
     rows = abs(thw[0] * thw[1] * thw[2])
     batch = {"input_ids": ids, "modality_inputs": {"images": {"vit": {
         "hidden_states": torch.zeros(rows, 3), "grid_thw": torch.tensor([thw])}}}}
-    ex = WindowExchanger(grid=Grid(groups=1, dp=1, rank=0), micro_batch_size=2, cost=COST)
+    ex = WindowExchanger(grid=Grid(size=1, dp=1, rank=0), micro_batch_size=2, cost=COST)
     with pytest.raises(ReorderError) as info:
         ex.exchange([batch])
     assert (f"micro-batch 0 sample 1 image 0: grid_thw {thw} has a component < 1: every t, h, w must be "

@@ -59,7 +59,7 @@ def test_short_last_window_and_reports():
 
 def _run(dp, batches_for_rank, exchanger_kwargs_for_rank=lambda r: {}, error_for_rank=lambda r: None):
     def fn(r, coll):
-        kw = dict(grid=Grid(groups=dp, dp=dp, rank=r), micro_batch_size=2 * dp, cost=COST, window_size=2,
+        kw = dict(grid=Grid(size=dp, dp=dp, rank=r), micro_batch_size=2 * dp, cost=COST, window_size=2,
                   collectives=coll)
         kw.update(exchanger_kwargs_for_rank(r))
         return WindowExchanger(**kw).exchange(batches_for_rank(r), error_for_rank(r))
@@ -106,7 +106,7 @@ def test_only_kept_slots_are_moved_to_the_device_as_given(monkeypatch, early):
     monkeypatch.setattr(driver, "_fields_to", lambda b, paths, dev: moved.append(b["sample_id"][0].item())
                         or real(b, paths, dev))
     rng = np.random.default_rng(3)
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=COST, window_size=8,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, cost=COST, window_size=8,
                          device="cpu", early_copy=early)
     window = [syn.make_global_batch(rng, 4, 128, features=4, mix="large", first_id=4 * s, scale=0.05)
               for s in range(8)]
@@ -129,7 +129,7 @@ def test_early_copy_starts_before_counting_once_the_layout_is_known(monkeypatch)
                         or to(t, *a, **k))  # the copies to `device` (counting reads grid_thw blocking)
     monkeypatch.setattr(WindowRound, "_count", lambda self, *a: events.append(("count", None)) or count(self, *a))
     rng = np.random.default_rng(5)
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=COST, device="cpu",
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, cost=COST, device="cpu",
                          early_copy=True)
     fields = ["input_ids", "labels", "loss_mask", "attention_mask", "position_ids", "sample_id"]
     for window in range(2):
@@ -157,7 +157,7 @@ def test_cost_benefit_gate_is_identical_everywhere_and_skips_useless_moves():
     assert gated_all.all()
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), micro_batch_size=8, cost=COST, window_size=3,
+        ex = WindowExchanger(grid=Grid(size=4, dp=4, rank=r), micro_batch_size=8, cost=COST, window_size=3,
                              collectives=coll, min_gain=0.99)
         return ex.exchange([syn.rank_share(g, 4, r) for g in batches])
     res = run_emulated(4, fn)
@@ -179,7 +179,7 @@ def test_a_window_kept_natural_builds_no_move_list(monkeypatch, device, early):
     batches = windows_for(12, 8, 2)
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=4, dp=2, rank=r), micro_batch_size=8, cost=COST, window_size=2,
+        ex = WindowExchanger(grid=Grid(size=4, dp=2, rank=r), micro_batch_size=8, cost=COST, window_size=2,
                              collectives=coll, min_saving=1e18, device=device, early_copy=early)
         mine = [syn.rank_share(g, 2, r) for g in batches]
         return mine, ex.exchange(mine)
@@ -212,7 +212,7 @@ def test_min_saving_gate_keeps_slots_that_save_too_little():
 
 def test_gate_thresholds_are_checked_locally():  # mismatches across ranks: tests/faults.py
     with pytest.raises(ValueError, match=r"min_saving=-1.0 is invalid"):
-        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_saving=-1.0)
+        WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_saving=-1.0)
 
 
 def test_language_cost_weight_is_used_everywhere():
@@ -230,7 +230,7 @@ def test_shadow_mode_plans_and_reports_but_moves_nothing():
     batches = windows_for(21, 8, 2)
 
     def fn(r, coll, shadow=True):
-        kw = dict(grid=Grid(groups=4, dp=4, rank=r), micro_batch_size=8, cost=COST, window_size=2, collectives=coll)
+        kw = dict(grid=Grid(size=4, dp=4, rank=r), micro_batch_size=8, cost=COST, window_size=2, collectives=coll)
         real = WindowExchanger(**kw).exchange([syn.rank_share(g, 4, r) for g in batches])[1]
         mine = [syn.rank_share(g, 4, r) for g in batches]
         out, rep = WindowExchanger(shadow=True, **kw).exchange(mine)
@@ -250,7 +250,7 @@ def test_quadratic_vision_cost_drives_the_plan_on_every_rank():
     cost = CostModel(encoder_weight=1.0, encoder_quadratic_weight=1e-3)
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=4, dp=4, rank=r), micro_batch_size=8, cost=cost, balancer="lpt",
+        ex = WindowExchanger(grid=Grid(size=4, dp=4, rank=r), micro_batch_size=8, cost=cost, balancer="lpt",
                              window_size=2, collectives=coll)
         return ex.exchange([syn.rank_share(g, 4, r) for g in batches])
     res = run_emulated(4, fn)
@@ -308,7 +308,7 @@ def test_cross_slot_mode_balances_the_window_and_keeps_every_invariant_but_i7(dp
     held = {}
     for name, d in zip(("vision", "language"), dps):
         def fn(r, coll, d=d):
-            ex = WindowExchanger(grid=Grid(groups=g, dp=d, rank=r), micro_batch_size=B, cost=COST, balancer="lpt",
+            ex = WindowExchanger(grid=Grid(size=g, dp=d, rank=r), micro_batch_size=B, cost=COST, balancer="lpt",
                                  window_size=slots, collectives=coll if d > 1 else None, cross_slot=True)
             return ex.exchange([syn.rank_share(x, d, r) for x in batches])
         res = run_emulated(d, fn)
@@ -395,7 +395,7 @@ def test_gate_backoff_skips_the_same_windows_on_every_rank_and_module(seed, max_
 
     def module(dp):
         def fn(r, coll):
-            ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), micro_batch_size=batch, cost=cost,
+            ex = WindowExchanger(grid=Grid(size=groups, dp=dp, rank=r), micro_batch_size=batch, cost=cost,
                                  collectives=coll if dp > 1 else None, min_saving=threshold, gate_backoff=max_skip)
             got = []
             for (g,) in stream:
@@ -428,16 +428,16 @@ def test_gate_backoff_doubles_up_to_its_cap_and_resets_when_a_window_moves():
 
 def test_gate_backoff_needs_the_gate():  # a mismatch across ranks: tests/faults.py
     with pytest.raises(ValueError, match=r"gate_backoff=4 needs the cost-benefit gate: set min_gain or min_saving"):
-        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, gate_backoff=4)
+        WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=2, cost=COST, gate_backoff=4)
     with pytest.raises(ValueError, match=r"gate_backoff=-1 is invalid"):
-        WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_gain=0.1, gate_backoff=-1)
+        WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=2, cost=COST, min_gain=0.1, gate_backoff=-1)
 
 
 def test_a_skipped_window_raises_a_source_error_on_its_own_rank_and_ends_locally():
     """In a skipped window nothing is exchanged: a data-source error raises on the rank that has it
     (as with reorder off) and an empty window ends that rank's stream without a collective."""
     g = windows_for(5, 4, 1)[0]
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=COST, min_gain=0.999,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, cost=COST, min_gain=0.999,
                          gate_backoff=4)
     _, rep = ex.exchange([g])
     assert not rep.skipped and rep.gated_slots == 1

@@ -20,7 +20,7 @@ def _batch(rank):
 
 def _run(sample_costs, balancer="lpt"):
     def body(rank, coll):
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=rank), micro_batch_size=4, cost=CostModel(),
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=rank), micro_batch_size=4, cost=CostModel(),
                              balancer=balancer, collectives=coll, sample_costs=sample_costs(rank))
         (out,), rep = ex.exchange([_batch(rank)])
         return out["input_ids"][:, -1].tolist(), rep.orders[0].tolist(), rep.loads_after.tolist()

@@ -74,7 +74,7 @@ def test_every_launch_of_a_window_gets_the_placement_held_flags():
     recorders = [Recording(), Recording()]
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=8, cost=CostModel(),
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=CostModel(),
                              balancer="lpt", collectives=coll)
         ex.round._executors[CPU] = recorders[r]
         share = syn.rank_share(batch, 2, r)

@@ -15,7 +15,7 @@ COST = CostModel()
 
 
 def rounds(dp, groups=None, **kw):
-    return [WindowRound(grid=Grid(groups=groups or dp, dp=dp, rank=r), micro_batch_size=8, cost=COST, **kw)
+    return [WindowRound(grid=Grid(size=groups or dp, dp=dp, rank=r), micro_batch_size=8, cost=COST, **kw)
             for r in range(dp)]
 
 
@@ -91,7 +91,7 @@ def test_a_long_error_asks_for_a_text_frame_and_arrives_whole():
 
 
 def test_configs_that_differ_are_refused_by_every_rank():
-    rs = [WindowRound(grid=Grid(groups=2, dp=2, rank=q), micro_batch_size=8, cost=COST, window_size=1 + q)
+    rs = [WindowRound(grid=Grid(size=2, dp=2, rank=q), micro_batch_size=8, cost=COST, window_size=1 + q)
           for q in range(2)]
     frames = np.stack([r.config_frame() for r in rs])
     for r in rs:

@@ -70,7 +70,7 @@ def stream(dps, seed, faulty=None, fault="flip", verify=1):
     out = {}
     for module, dp in dps.items():
         def fn(r, coll, module=module, dp=dp):
-            ex = WindowExchanger(grid=Grid(groups=groups, dp=dp, rank=r), micro_batch_size=2 * groups, cost=COST,
+            ex = WindowExchanger(grid=Grid(size=groups, dp=dp, rank=r), micro_batch_size=2 * groups, cost=COST,
                                  balancer="lpt", collectives=coll if dp > 1 else None, verify=verify)
             if faulty == (module, r):
                 ex.round._executors[torch.device("cpu")] = Faulty(fault)
@@ -109,7 +109,7 @@ def test_the_check_runs_every_nth_window_only():
     """verify=2 checks windows 0, 2, 4, ...: a fault in window 1 goes unseen, one in window 2 is caught."""
     def run(fault_window):
         def fn(r, coll):
-            ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+            ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
                                  collectives=coll, verify=2)
             rng = np.random.default_rng(3)
             for k in range(4):

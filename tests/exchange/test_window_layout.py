@@ -40,7 +40,7 @@ def test_a_real_layout_difference_inside_a_window_names_the_field_first():
     vit["pixel_values"] = vit["pixel_values"].float()
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=1, dp=1, rank=0), micro_batch_size=4, cost=COST, window_size=2)
+        ex = WindowExchanger(grid=Grid(size=1, dp=1, rank=0), micro_batch_size=4, cost=COST, window_size=2)
         return ex.exchange([a, b])
 
     with pytest.raises(ReorderError) as e:
@@ -53,7 +53,7 @@ def test_a_real_layout_difference_inside_a_window_names_the_field_first():
 
 def _two_ranks(shares, error_for_rank=lambda r: None):
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=4, cost=COST, window_size=1,
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=4, cost=COST, window_size=1,
                              collectives=coll)
         return ex.exchange([shares[r]], error_for_rank(r))
     return run_emulated(2, fn, timeout=20, return_exceptions=True)

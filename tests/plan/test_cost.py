@@ -27,28 +27,38 @@ def message(call):
 
 @pytest.mark.parametrize("dp", [0, -2, 2.0, "2", None])
 def test_grid_refuses_a_bad_dp(dp):
-    assert message(lambda: Grid(groups=4, dp=dp, rank=0)) == \
+    assert message(lambda: Grid(size=4, dp=dp, rank=0)) == \
         f"dp={dp!r} is invalid: a module's DP size must be an integer >= 1"
 
 
-@pytest.mark.parametrize("groups", [0, -4, 4.0, "4", None])
-def test_grid_refuses_a_bad_groups(groups):
-    assert message(lambda: Grid(groups=groups, dp=1, rank=0)) == \
-        f"groups={groups!r} is invalid: the canonical grid must be >= 1"
+@pytest.mark.parametrize("size", [0, -4, 4.0, "4", None])
+def test_grid_refuses_a_bad_size(size):
+    assert message(lambda: Grid(size=size, dp=1, rank=0)) == \
+        f"size={size!r} is invalid: the canonical grid size G must be an integer >= 1"
+
+
+def test_grid_accepts_its_old_keyword_and_attribute_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=r"Grid\(groups=\) is renamed Grid\(size=\)"):
+        old = Grid(groups=4, dp=2, rank=1)
+    assert old == Grid(size=4, dp=2, rank=1)
+    with pytest.warns(DeprecationWarning, match=r"Grid.groups is renamed Grid.size"):
+        assert old.groups == 4
+    with pytest.raises(TypeError, match="give size= .* only"):
+        Grid(size=4, groups=4, dp=2, rank=1)
 
 
 @pytest.mark.parametrize("rank", [-1, 2, 3])
 def test_grid_refuses_a_rank_out_of_range(rank):
-    assert message(lambda: Grid(groups=4, dp=2, rank=rank)) == f"rank={rank} is out of range for dp=2"
+    assert message(lambda: Grid(size=4, dp=2, rank=rank)) == f"rank={rank} is out of range for dp=2"
 
 
 def test_grid_accepts_the_edges():
-    g = Grid(groups=1, dp=1, rank=0)
+    g = Grid(size=1, dp=1, rank=0)
     assert (g.groups_per_rank, list(g.covered_groups()), g.owner(0)) == (1, [0], 0)
-    g = Grid(groups=6, dp=3, rank=2)
+    g = Grid(size=6, dp=3, rank=2)
     assert (g.groups_per_rank, list(g.covered_groups())) == (2, [4, 5])
     assert g.owner(np.arange(6)).tolist() == [0, 0, 1, 1, 2, 2]
-    assert message(lambda: Grid(groups=6, dp=4, rank=0)) == \
+    assert message(lambda: Grid(size=6, dp=4, rank=0)) == \
         "canonical grid G=6 is not a multiple of dp=4: G must be the lcm of all module DP sizes"
 
 

@@ -24,7 +24,7 @@ class Golden(TestCase):
         loads = rank_loads(np.array([[10.0, 10, 10, 1, 1, 1]]), order, 3)
         self.assertExpectedInline(str(loads.tolist()), """[[11.0, 11.0, 11.0]]""")
         self.assertExpectedInline(str(canonical_grid([2, 3])), """6""")
-        self.assertExpectedInline(str(list(Grid(groups=canonical_grid([1, 2, 4]), dp=2, rank=1).covered_groups())),
+        self.assertExpectedInline(str(list(Grid(size=canonical_grid([1, 2, 4]), dp=2, rank=1).covered_groups())),
                                   """[2, 3]""")
 
     def test_grid_errors(self):
@@ -32,13 +32,13 @@ class Golden(TestCase):
             canonical_grid([2, 0])
         self.assertExpectedInline(str(e.exception), """dp size 0 is invalid: every module's DP size must be an integer >= 1""")
         with self.assertRaises(ValueError) as e:
-            Grid(groups=6, dp=4, rank=0)
+            Grid(size=6, dp=4, rank=0)
         self.assertExpectedInline(str(e.exception), """canonical grid G=6 is not a multiple of dp=4: G must be the lcm of all module DP sizes""")
         with self.assertRaises(ValueError) as e:
             plan_orders(np.zeros((1, 10)), 4)
         self.assertExpectedInline(str(e.exception), """costs holds B=10 samples per slot, not a positive multiple of groups=4: every group holds B/G samples, so choose B as a multiple of G = lcm(DP sizes)""")
         with self.assertRaises(ValueError) as e:
-            Grid(groups=4, dp=2, rank=2)
+            Grid(size=4, dp=2, rank=2)
         self.assertExpectedInline(str(e.exception), """rank=2 is out of range for dp=2""")
         with self.assertRaises(ValueError) as e:
             plan_orders(np.zeros((1, 4)), 2, balancer="magic")
@@ -73,7 +73,7 @@ def test_cost_model_refuses_bad_fields_on_every_rank(case):
     local.check(e.value)
 
     def rank(r, coll):
-        return WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=4, cost=CostModel(),
+        return WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=4, cost=CostModel(),
                                collectives=coll).exchange([shares[r]])
     out = run_emulated(2, rank, timeout=20, return_exceptions=True)
     for got in out:
@@ -107,7 +107,7 @@ def test_grid_matches_spec(dps, data):
     assert g == ref.canonical_grid(dps)
     for d in dps:
         for r in range(d):
-            grid = Grid(groups=g, dp=d, rank=r)
+            grid = Grid(size=g, dp=d, rank=r)
             assert list(grid.covered_groups()) == ref.covered_groups(d, g, r)
             assert [grid.owner(j) for j in grid.covered_groups()] == [ref.owner(j, d, g) for j in grid.covered_groups()]
 

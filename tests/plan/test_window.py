@@ -28,7 +28,7 @@ def windows(draw):
                                dtype=np.int64).reshape(w, batch)
     counts = SampleCounts.of(placeholders=ints(40), real_tokens=ints(200), images=ints(3), rows=ints(90),
                              list_bytes=ints(30))
-    return Grid(groups=groups, dp=dp, rank=0), counts
+    return Grid(size=groups, dp=dp, rank=0), counts
 
 
 def spec_costs(counts):
@@ -51,8 +51,8 @@ def test_plan_is_the_spec_plan_slot_by_slot(case, min_gain, min_saving, shadow):
     costs = spec_costs(counts)
     w, batch = counts.shape
     b = batch // grid.dp
-    planned = [ref.lpt_order(row, grid.groups) for row in costs]
-    orders, gated = ref.gated_orders(costs, planned, grid.groups, min_gain, min_saving)
+    planned = [ref.lpt_order(row, grid.size) for row in costs]
+    orders, gated = ref.gated_orders(costs, planned, grid.size, min_gain, min_saving)
     assert plan.orders.tolist() == orders
     assert plan.gated.tolist() == gated
     assert plan.fully_gated == all(gated)
@@ -88,10 +88,10 @@ def test_cross_slot_plan_is_one_spec_plan_over_the_window(case):
     costs = spec_costs(counts)
     if w == 1:  # one slot: nothing to balance across, the per-slot plan
         assert not plan.cross_slot
-        assert plan.orders.tolist() == [ref.lpt_order(costs[0], grid.groups)]
+        assert plan.orders.tolist() == [ref.lpt_order(costs[0], grid.size)]
         return
     flat = [c for row in costs for c in row]
-    order = ref.lpt_order(flat, grid.groups * w)
+    order = ref.lpt_order(flat, grid.size * w)
     assert plan.cross_slot
     assert plan.orders.reshape(-1).tolist() == order
     pos = ref.canonical_position(order)
@@ -106,7 +106,7 @@ def test_cross_slot_plan_is_one_spec_plan_over_the_window(case):
 
 def test_cross_slot_with_the_gate_keeps_the_window_natural_when_it_does_not_pay():
     counts = SampleCounts.of(placeholders=np.array([[10, 0], [0, 10]]), real_tokens=np.zeros((2, 2), np.int64))
-    plan = plan_window(counts, COST, Grid(groups=2, dp=2, rank=0), PlanSettings(cross_slot=True, min_gain=0.5))
+    plan = plan_window(counts, COST, Grid(size=2, dp=2, rank=0), PlanSettings(cross_slot=True, min_gain=0.5))
     assert plan.gated.tolist() == [True, True] and plan.orders.tolist() == [[0, 1], [2, 3]]  # flat ids
     assert not plan.moves_anything and plan.moved_bytes == 0
 
@@ -127,19 +127,19 @@ def test_natural_means_every_sample_keeps_its_slot_and_position(window, balancer
 def test_a_cross_slot_exchange_of_slots_is_not_natural():
     ph = np.array([[10, 10, 0, 0], [10, 10, 0, 0]])  # rank 0 holds both large samples of either slot
     counts = SampleCounts.of(placeholders=ph, real_tokens=np.zeros_like(ph))
-    plan = plan_window(counts, COST, Grid(groups=2, dp=2, rank=0), PlanSettings(cross_slot=True))
+    plan = plan_window(counts, COST, Grid(size=2, dp=2, rank=0), PlanSettings(cross_slot=True))
     assert not plan.natural and plan.moves_anything
-    gated = plan_window(counts, COST, Grid(groups=2, dp=2, rank=0), PlanSettings(cross_slot=True, min_gain=0.99))
+    gated = plan_window(counts, COST, Grid(size=2, dp=2, rank=0), PlanSettings(cross_slot=True, min_gain=0.99))
     assert gated.natural and gated.fully_gated
 
 
 def test_given_costs_replace_the_cost_model():
     given = np.array([[5.0, 1.0, 1.0, 1.0]])
     counts = SampleCounts.of(placeholders=np.array([[0, 0, 0, 90]]), cost_bits=given.view(np.int64))
-    plan = plan_window(counts, COST, Grid(groups=2, dp=2, rank=0), PlanSettings(balancer="lpt", given_costs=True))
+    plan = plan_window(counts, COST, Grid(size=2, dp=2, rank=0), PlanSettings(balancer="lpt", given_costs=True))
     assert plan.costs.tolist() == given.tolist()
     assert plan.orders.tolist() == [ref.lpt_order([5.0, 1.0, 1.0, 1.0], 2)]
-    model = plan_window(counts, COST, Grid(groups=2, dp=2, rank=0), PlanSettings(balancer="lpt"))
+    model = plan_window(counts, COST, Grid(size=2, dp=2, rank=0), PlanSettings(balancer="lpt"))
     assert model.costs.tolist() == spec_costs(counts)
 
 
@@ -159,7 +159,7 @@ def test_quadratic_cost_reaches_the_plan():
     quad = CostModel(image_token_id=7, vision_start_token_id=6, encoder_weight=1.0, encoder_quadratic_weight=0.5)
     counts = SampleCounts.of(placeholders=np.array([[2, 2, 0, 0]]), square_patches=np.array([[64, 4, 0, 0]]),
                              real_tokens=np.zeros((1, 4), np.int64))
-    plan = plan_window(counts, quad, Grid(groups=2, dp=2, rank=0), PlanSettings(balancer="lpt"))
+    plan = plan_window(counts, quad, Grid(size=2, dp=2, rank=0), PlanSettings(balancer="lpt"))
     assert plan.costs.tolist() == [[8.0 + 32.0, 8.0 + 2.0, 0.0, 0.0]]  # patches = 2 x merge 2 squared
 
 
@@ -169,7 +169,7 @@ def test_cross_slot_gate_uses_every_threshold(gate):
     slots each holds 20 (gain 0.5, saving 20); the gate decides on the flat window by every
     threshold set (the third case fails on the saving alone), as the spec's gate does."""
     counts = SampleCounts.of(placeholders=np.array([[5, 5], [0, 0]]), real_tokens=np.zeros((2, 2), np.int64))
-    plan = plan_window(counts, COST, Grid(groups=1, dp=1, rank=0), PlanSettings(balancer="lpt", cross_slot=True, **gate))
+    plan = plan_window(counts, COST, Grid(size=1, dp=1, rank=0), PlanSettings(balancer="lpt", cross_slot=True, **gate))
     flat = [c for row in spec_costs(counts) for c in row]
     orders, gated = ref.gated_orders([flat], [ref.lpt_order(flat, 2)], 2, gate.get("min_gain"), gate.get("min_saving"))
     assert plan.orders.reshape(-1).tolist() == orders[0]

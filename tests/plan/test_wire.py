@@ -31,7 +31,7 @@ def le(text: bytes, words: int) -> list:
 
 
 # The config frame's documented layout: (field, kind) in wire order after the magic number.
-LAYOUT = [("micro_batch_size", "int"), ("groups", "int"), ("dp", "int"), ("window_size", "int"),
+LAYOUT = [("micro_batch_size", "int"), ("grid_size", "int"), ("dp", "int"), ("window_size", "int"),
           ("encoder_weight", "float"), ("language_weight", "float"), ("encoder_quadratic_weight", "float"),
           ("language_quadratic_weight", "float"), ("encoder_image_weight", "float"),
           ("spatial_merge_size", "int"), ("image_token_id", "int"), ("vision_start_token_id", "int"),
@@ -40,7 +40,7 @@ LAYOUT = [("micro_batch_size", "int"), ("groups", "int"), ("dp", "int"), ("windo
           ("verify", "int")]
 KIND = dict(LAYOUT)
 
-BASE = dict(micro_batch_size=8, groups=4, dp=2, window_size=3, encoder_weight=1.0, language_weight=0.5,
+BASE = dict(micro_batch_size=8, grid_size=4, dp=2, window_size=3, encoder_weight=1.0, language_weight=0.5,
             encoder_quadratic_weight=0.0, language_quadratic_weight=-1.5, encoder_image_weight=2.0,
             spatial_merge_size=2, image_token_id=151655, vision_start_token_id=-7, balancer="balanced", shadow=1,
             cross_slot=0, min_gain=None, min_saving=0.25, gate_backoff=4, given_costs=0, given_image_counts=1,
@@ -101,8 +101,8 @@ class Messages(TestCase):
         self.assertExpectedInline(text({}, dict(balancer="lpt")),
                                   """config mismatch across the DP group: balancer is 'balanced' on ranks [0], 'lpt' on ranks [1]""")
         # the first field in wire order that differs is named, whatever else differs after it
-        self.assertExpectedInline(text(dict(gate_backoff=0, groups=8), {}),
-                                  """config mismatch across the DP group: groups is 8 on ranks [0], 4 on ranks [1]""")
+        self.assertExpectedInline(text(dict(gate_backoff=0, grid_size=8), {}),
+                                  """config mismatch across the DP group: grid_size is 8 on ranks [0], 4 on ranks [1]""")
         # bits, not values: -0.0 == 0.0 in Python, yet the ranks sent different frames
         self.assertExpectedInline(text(dict(min_saving=0.0), dict(min_saving=-0.0)),
                                   """config mismatch across the DP group: min_saving is 0.0 on ranks [0], -0.0 on ranks [1]""")
@@ -175,7 +175,7 @@ def test_mismatch_names_the_first_differing_field_and_each_value_by_rank(data, d
 def test_ranks_whose_weights_differ_only_in_the_sign_of_zero_raise_the_same_error():
     def body(rank, coll):
         cost = CostModel(encoder_quadratic_weight=-0.0 if rank else 0.0)
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=rank), cost=cost, collectives=coll, window_size=1,
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=rank), cost=cost, collectives=coll, window_size=1,
                              micro_batch_size=4)
         return ex.exchange([{"input_ids": torch.zeros(2, 8, dtype=torch.int64)}])
 

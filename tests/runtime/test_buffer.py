@@ -26,7 +26,7 @@ def test_worker_prepares_at_most_ahead_windows_beyond_the_consumer(ahead):
                 pulled[0] += 1
             yield b
 
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, window_size=W,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, window_size=W,
                          cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
     seen, worst = [], 0
     with ReorderingBuffer(source(), ex, overlap=True, ahead=ahead) as buf:
@@ -41,7 +41,7 @@ def test_worker_prepares_at_most_ahead_windows_beyond_the_consumer(ahead):
 
 
 def test_ahead_must_be_a_positive_integer():
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, cost=CostModel())
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, cost=CostModel())
     with pytest.raises(ValueError, match="ahead=0 is invalid"):
         ReorderingBuffer(iter([]), ex, overlap=True, ahead=0)
 
@@ -61,7 +61,7 @@ def test_worker_keeps_no_reference_to_a_window_it_handed_over():
                 gate.wait(10)
             yield syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k)
 
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4,
                          cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
     with ReorderingBuffer(source(), ex, overlap=True) as buf:
         next(buf)
@@ -85,7 +85,7 @@ def test_reordered_micro_batches_are_freed_without_the_garbage_collector():
 
     rng = np.random.default_rng(2)
     g = syn.make_global_batch(rng, 8, 64, features=4, mix="small")
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=8,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=8,
                          cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
     gc.collect()
     gc.disable()
@@ -102,7 +102,7 @@ def test_reordered_micro_batches_are_freed_without_the_garbage_collector():
 def _gated_exchanger(calls):
     """dp-1 exchanger whose gate keeps every window (so the backoff skips 1, 2, 4, 4, ... windows after
     planned ones); records (thread name, skipped) per exchanged window in `calls`."""
-    ex = WindowExchanger(grid=Grid(groups=2, dp=1, rank=0), micro_batch_size=4, min_saving=1e18, gate_backoff=4,
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, min_saving=1e18, gate_backoff=4,
                          cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
     inner = ex.exchange
 
@@ -166,7 +166,7 @@ def test_log_every_names_module_and_rank_and_logs_on_dp_rank_0(caplog, all_ranks
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(groups=2, dp=2, rank=r), micro_batch_size=4, cost=cost, collectives=coll)
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=4, cost=cost, collectives=coll)
         with ReorderingBuffer((syn.rank_share(b, 2, r) for b in batches), ex, log_every=2, log_module="vision",
                               log_all_ranks=all_ranks) as buf:
             return len(list(buf))
