@@ -21,7 +21,11 @@
 #   combo       encoder tp 2 x dp 1 + language pp 3 x dp 2 (fan-out 2, a middle stage)   2 + 6 = 8
 #   tp2pp2      encoder dp 2 + language tp 2 x pp 2 x dp 2 (only with TP_PP_WIDE=1)     2 + 8 = 10
 # MAX_RANKS (0: no limit) holds a job back until the running jobs' ranks leave room for it; ONLY (an
-# extended regex) runs the jobs whose names match, e.g. ONLY='soak_(pp2|combo)'.
+# extended regex) runs the jobs whose names match, e.g. ONLY='soak_(pp2|combo)'. DEADLINE (s, from the
+# start) cuts every job's timeout so that all end by then and the summary and the tar are still
+# written (a machine lent for a fixed time returns only what is written); a job that would start
+# with under 60 s left is skipped and said so in rc.txt. A soak prints its progress every 50
+# iterations, so a job stopped by its timeout still shows how far it got.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -48,14 +52,20 @@ running_ranks() {
   for pid in "${!RUNNING[@]}"; do kill -0 "$pid" 2>/dev/null && used=$(( used + RUNNING[$pid] )); done
   echo $used
 }
+START=$(date +%s)
 job() {  # name, ranks, suite arguments... ; runs in the background (JOB_ENV: extra VAR=value settings)
-  local name=$1 nproc=$2; shift 2
+  local name=$1 nproc=$2 limit=$JOB_TIMEOUT left; shift 2
   if [ -n "${ONLY:-}" ] && ! [[ $name =~ ^($ONLY)$ ]]; then return; fi
   if [ "$MAX_RANKS" -gt 0 ]; then
     while used=$(running_ranks) && [ "$used" -gt 0 ] && [ $(( used + nproc )) -gt "$MAX_RANKS" ]; do sleep 2; done
   fi
+  if [ -n "${DEADLINE:-}" ]; then
+    left=$(( START + DEADLINE - $(date +%s) ))
+    if [ "$left" -lt 60 ]; then echo "$name rc=skipped ${left}s left before DEADLINE" >> "$LOG/mimo_logs/rc.txt"; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   ( t0=$(date +%s)
-    env ${JOB_ENV:-} timeout -k 10 "$JOB_TIMEOUT" torchrun --standalone --nproc-per-node "$nproc" $SUITE "$@" \
+    env ${JOB_ENV:-} timeout -k 10 "$limit" torchrun --standalone --nproc-per-node "$nproc" $SUITE "$@" \
       --device "$DEV" --json "$LOG/mimo_logs/$name.json" > "$LOG/mimo_logs/$name.log" 2>&1
     rc=$?
     echo "$name rc=$rc $(( $(date +%s) - t0 ))s ranks=$nproc" >> "$LOG/mimo_logs/rc.txt" ) &

@@ -960,7 +960,8 @@ def summarize(folder) -> int:
         for x in open(os.path.join(folder, "rc.txt")):
             if x.strip():
                 name, rc = x.split()[:2]
-                rcs[name] = int(rc.split("=")[1])
+                v = rc.split("=", 1)[1]
+                rcs[name] = int(v) if v.lstrip("-").isdigit() else v  # "skipped": not started before DEADLINE
     fmt = lambda xs: "[" + ", ".join(f"{x:.6f}" for x in xs) + "]"  # noqa: E731
 
     def replicas(acc):  # the TP / PP checks of an accounting dict, when the layout has TP or PP groups
@@ -981,7 +982,10 @@ def summarize(folder) -> int:
     for name in sorted(rcs, key=lambda n: (next((i for i, k in enumerate(kinds) if n.startswith(k)), len(kinds)), n)):
         path = os.path.join(folder, name + ".json")
         if not os.path.exists(path):
-            lines.append(f"FAIL {name}: no result, exit status {rcs[name]} (see its log)")
+            log_path = os.path.join(folder, name + ".log")
+            progress = [x.strip() for x in open(log_path) if "soak progress" in x] if os.path.exists(log_path) else []
+            lines.append(f"FAIL {name}: no result, exit status {rcs[name]} (see its log)"
+                         + (f"; last {progress[-1]}" if progress else ""))
             bad.append(name)
             continue
         r = json.load(open(path))
