@@ -190,3 +190,39 @@ def test_ranks_beyond_the_gpu_count_share_them_each_with_its_own_nccl_host_id(mo
     assert (len(set(ids)) == 4 and None not in ids) if shared else ids == [None] * 4
     assert ("shared-GPU mode" in capsys.readouterr().out) == shared
     assert common.rank_device(False) == common.torch.device("cpu")
+
+
+def test_small_window_planning_bench_writes_its_shares_and_counts(tmp_path):
+    """bench/plan_small.py at two sizes: every time positive, phase shares within [0, 1], and the
+    call counts (the same on every host) larger for the larger window."""
+    out = tmp_path / "plan_small.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "plan_small.py"), "--sizes", "4x2,16x4", "--reps", "20",
+           "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sizes = json.loads(out.read_text())["sizes"]
+    assert list(sizes) == ["4x2", "16x4"]
+    for r in sizes.values():
+        assert all(r[k] > 0 for k in ("plan_window_ms", "balanced_ms", "lpt_ms"))
+        assert all(0 <= v <= 1 for v in r["balanced_phase_share"].values())
+    assert sizes["16x4"]["balanced_calls"]["python"] > sizes["4x2"]["balanced_calls"]["python"] > 0
+
+
+def test_calibration_bench_on_the_vit_writes_fit_plans_and_gains(tmp_path):
+    """bench/calibrate_vit.py at toy size on the CPU: a fit over every rank's rows, the three plans
+    each with measured and predicted figures, and both gains (CPU times: no figure is a result)."""
+    out = tmp_path / "calibrate_vit.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "calibrate_vit.py"), "--device", "cpu", "--dp", "2",
+           "--per-rank", "2", "--fit-windows", "5", "--eval-windows", "2", "--scale", "0.05", "--dim", "32",
+           "--layers", "1", "--warmup", "1", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["fit"]["rows"] == 5 * 2 and all(w >= 0 for w in r["fit"]["weights"].values())
+    assert list(r["plans"]) == ["natural", "default cost", "fitted cost"]
+    for plan in r["plans"].values():
+        for kind in ("measured", "predicted"):
+            assert plan[kind]["spread"] >= 1 and plan[kind]["step_ms"] > 0
+    assert set(r["gain_fitted_over_default"]) == {"predicted", "measured"}
