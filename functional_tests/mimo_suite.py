@@ -491,9 +491,10 @@ class Run:
     def _forward_step(self, data_iterator, model):
         """Megatron's forward_step_func: the next micro-batch through the model; (output, loss_func)."""
         mb = next(data_iterator)
-        self.ids.append(mb["sample_id"].tolist())
-        self.digests.append(field_digests(mb))
-        self.img_tokens.append(int((mb["input_ids"] == syn.IMAGE_TOKEN).sum()))
+        host = on_host(mb)  # one copy: every host sync waits for this rank's turn on a shared GPU
+        self.ids.append(host["sample_id"].tolist())
+        self.digests.append(field_digests(host))
+        self.img_tokens.append(int((host["input_ids"] == syn.IMAGE_TOKEN).sum()))
         self.current = mb  # the checksum hooks pair the outputs with its sample ids
         out, loss_mask = model(**model_inputs(mb))
         return out, functools.partial(self._loss, loss_mask)
@@ -503,10 +504,9 @@ class Run:
         {"loss": the micro-batch's mean token loss over the group}); the report is a fresh tensor since
         the schedule divides the first in place."""
         local = (output_tensor.float() * loss_mask).sum()
-        count = loss_mask.sum().detach()
-        dist.all_reduce(count, group=self.env["dp_group"])
-        s = local.detach().clone()
-        dist.all_reduce(s, group=self.env["dp_group"])
+        both = torch.stack([loss_mask.sum().detach().to(local.dtype), local.detach()])  # one all-reduce, not two
+        dist.all_reduce(both, group=self.env["dp_group"])
+        count, s = both[0], both[1]
         return local / count, {"loss": s / count}
 
     def _colocated_iteration(self):
@@ -609,21 +609,39 @@ def expected_share(env, cfg, window_ids):
     return [window_ids[i] for i in order]
 
 
-def field_digests(mb):
-    """{field: digest of its dtype, shape and bytes} of one micro-batch (nested fields as a.b.c)."""
+def flat_fields(mb, name=""):
+    """[(name, tensor)] of a micro-batch's tensors in a fixed order (nested fields as a.b.c)."""
+    if isinstance(mb, dict):
+        return [x for k in sorted(mb) for x in flat_fields(mb[k], f"{name}.{k}" if name else k)]
+    return [(name, mb)] if torch.is_tensor(mb) else []
+
+
+def on_host(mb) -> dict:
+    """{field name: host copy} of a micro-batch's tensors, copied with one device-to-host copy per
+    device (the bytes of every field concatenated there) instead of one per field."""
+    out, by_device = {}, {}
+    for name, t in flat_fields(mb):
+        by_device.setdefault(t.device, []).append((name, t.detach().contiguous()))
+    for dev, items in by_device.items():
+        flat = [t.reshape(-1).view(torch.uint8) for _, t in items]
+        host = torch.cat(flat).cpu() if dev.type != "cpu" else None
+        at = 0
+        for (name, t), f in zip(items, flat):
+            if host is None:
+                out[name] = t
+                continue
+            out[name] = host[at:at + f.numel()].view(t.dtype).reshape(t.shape)
+            at += f.numel()
+    return out
+
+
+def field_digests(fields: dict) -> dict:
+    """{field: digest of its dtype, shape and bytes} of one micro-batch's host fields (`on_host`)."""
     out = {}
-
-    def walk(name, v):
-        if isinstance(v, dict):
-            for k in sorted(v):
-                walk(f"{name}.{k}" if name else k, v[k])
-        elif torch.is_tensor(v):
-            t = v.detach().contiguous().cpu()
-            h = hashlib.sha1(f"{t.dtype} {tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            out[name] = h.hexdigest()[:16]
-
-    walk("", mb)
+    for name, t in fields.items():
+        h = hashlib.sha1(f"{t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        out[name] = h.hexdigest()[:16]
     return out
 
 
