@@ -2,8 +2,8 @@
 
 A field is read as entries of words (`reorder.plan.checksums.word_width`): a dense field's sample
 has `pre` entries (one per leading index) of `unit` bytes, a ragged field's sample its rows or
-images, the list field's sample one entry of its pickled bytes. A word w (little-endian,
-sign-extended to int64) at byte c of entry e of its sample adds
+images, the list field's sample one entry of its pickled bytes. A word w (little-endian, unsigned
+for 1-byte words, sign-extended to int64 for wider ones) at byte c of entry e of its sample adds
 
     (w + 1) * mix(c) * mix(e + 2**32 * f)        (f: the field's index when it shares the last slot, else 0)
 
@@ -14,9 +14,16 @@ receiver's (on what it assembled) agree exactly when the bytes do. A flipped byt
 word's term by a nonzero multiple of an odd number; swapped samples, rows or entries, or a dropped
 segment, change several. The mix factors into a column part and an entry part, so a field costs one
 broadcast multiply and one row sum over its words: about one pass over the bytes, no index tensors.
+
+`window_checksums` sums a whole window (every field of every sample of its micro-batches): on CUDA
+with one Triton launch (`triton_checksum`, imported on first use) over a table of pieces built here
+(`launch_table`), else, or when the launch raises (logged once), with the torch ops of `checksums`.
 """
 
 from __future__ import annotations
+
+import collections
+import logging
 
 import numpy as np
 import torch
@@ -26,6 +33,8 @@ from reorder.plan.counts import SampleCounts
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+PIECE_WORDS = 8  # int64s per piece row of the launch table
+BLOCK, CHUNK = 1024, 16384  # the kernel's lanes, and words per program (a piece's last program: fewer)
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -35,35 +44,55 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(buffers: list, fields: tuple, counts: SampleCounts) -> torch.Tensor:
-    """int64 [n, CHECKED_FIELDS] on the buffers' device: the checksums of the n samples (counts [n])
-    of a shard whose buffers (contiguous, one per `ByteField` of `fields`, in order) are `buffers`."""
+    """int64 [n, CHECKED_FIELDS] on the first buffer's device: the checksums of the n samples (counts
+    [n]) of a shard whose buffers (contiguous, one per `ByteField` of `fields`, in order) are
+    `buffers`. Each field is summed where its buffer lives."""
     n = counts.shape[0]
     dev = buffers[0].device if buffers else torch.device("cpu")
     out = torch.zeros(n, CHECKED_FIELDS, dtype=torch.int64, device=dev)
-    for f, ((kind, pre, unit), buf) in enumerate(zip(fields, buffers)):
-        salt = max(0, f - (CHECKED_FIELDS - 1)) << 32
-        slot = field_slot(f)
-        if kind == "dense":
-            words = _words(buf, word_width(kind, unit)).view(pre, n, -1)
-            per = _entry_sums(words) * mix(torch.arange(pre, device=dev) + salt)[:, None]  # [pre, n]
-            out[:, slot] += per.sum(0)
-        elif kind == "list":
-            ends = np.cumsum(counts.list_bytes)
-            raw = _words(buf, 1)
-            for j, (a, b) in enumerate(zip((ends - counts.list_bytes).tolist(), ends.tolist())):
-                if b > a:
-                    out[j, slot] += _entry_sums(raw[a:b].view(1, -1))[0] * mix(torch.tensor(salt, device=dev))
-        else:
-            entries = np.asarray(counts.rows if kind == "row" else counts.images, dtype=np.int64)
-            total = int(entries.sum())
-            if not total:
-                continue
-            words = _words(buf, word_width(kind, unit)).view(total, -1)
-            sample = np.repeat(np.arange(n, dtype=np.int64), entries)
-            index = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(entries) - entries, entries)
-            per = _entry_sums(words) * mix(torch.from_numpy(index + salt).to(dev, non_blocking=True))
-            out[:, slot].index_add_(0, torch.from_numpy(sample).to(dev, non_blocking=True), per)
+    for f, (field, buf) in enumerate(zip(fields, buffers)):
+        per = field_sums(f, field, buf, counts)
+        if per is not None:
+            out[:, field_slot(f)] += per.to(dev, non_blocking=True)
     return out
+
+
+def field_sums(f: int, field: tuple, buf: torch.Tensor, counts: SampleCounts) -> torch.Tensor | None:
+    """int64 [n] on buf's device: the n samples' checksums of field number `f` (a `ByteField`) held
+    by `buf`; None when the field holds no bytes."""
+    kind, pre, unit = field
+    n = counts.shape[0]
+    dev = buf.device
+    salt = max(0, f - (CHECKED_FIELDS - 1)) << 32
+    if kind == "dense":
+        if not n * pre * unit:
+            return None
+        words = _words(buf, word_width(kind, unit)).view(pre, n, -1)
+        per = _entry_sums(words) * mix(torch.arange(pre, device=dev) + salt)[:, None]  # [pre, n]
+        return per.sum(0)
+    if kind == "list":  # one entry per sample, of 1-byte words: columns are byte positions in the sample
+        sizes = np.asarray(counts.list_bytes, dtype=np.int64)
+        total = int(sizes.sum())
+        if not total:
+            return None
+        sample = np.repeat(np.arange(n, dtype=np.int64), sizes)
+        column = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        terms = (_words(buf, 1)[:total].to(torch.int64) + 1) * mix(_to(column, dev))
+        return torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, _to(sample, dev), terms) * mix(
+            torch.tensor(salt, device=dev))
+    entries = np.asarray(counts.rows if kind == "row" else counts.images, dtype=np.int64)
+    total = int(entries.sum())
+    if not total or not unit:
+        return None
+    words = _words(buf, word_width(kind, unit)).view(total, -1)
+    sample = np.repeat(np.arange(n, dtype=np.int64), entries)
+    index = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(entries) - entries, entries)
+    per = _entry_sums(words) * mix(_to(index + salt, dev))
+    return torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, _to(sample, dev), per)
+
+
+def _to(a: np.ndarray, dev) -> torch.Tensor:
+    return torch.from_numpy(a).to(dev, non_blocking=True)
 
 
 def _entry_sums(words: torch.Tensor) -> torch.Tensor:
@@ -82,3 +111,204 @@ def _words(t: torch.Tensor, width: int) -> torch.Tensor:
     if b.storage_offset() % width or b.data_ptr() % width:
         b = b.clone()
     return b.view(_WORDS[width])
+
+
+# ---- a whole window: one launch on CUDA ------------------------------------------------------------
+
+log = logging.getLogger("reorder")
+_KERNEL = []  # [the Triton checksum kernel, or None where triton does not import or a launch failed]
+
+
+def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = False) -> torch.Tensor:
+    """int64 [N, CHECKED_FIELDS]: the checksums of every sample of a window's micro-batches, part
+    after part (N: their samples); parts: per micro-batch (its buffers, one per `ByteField` of
+    `fields`, and its SampleCounts [n]).
+
+    On a CUDA `device` (where Triton imports): one kernel launch for every field whose buffer it
+    can read by address (on that device, or pinned host memory), the others summed with torch ops
+    where they live (e.g. the pickled lists of host micro-batches) and added in; the result is on
+    `device`, and nothing waits for the device. Elsewhere, or once a launch has raised (logged
+    once), torch ops on each part (`checksums`): the result is on the first buffer's device. Either
+    way bit for bit the same sums. `interpret`: the kernel on CPU tensors through Triton's
+    interpreter (TRITON_INTERPRET=1 set before triton is imported; tests)."""
+    got = kernel_checksums(parts, fields, device, interpret=interpret)
+    if got is not None:
+        return got
+    return torch_checksums(parts, fields)
+
+
+def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
+    """`window_checksums` with torch ops only: each part's `checksums`, on the first buffer's device."""
+    if not parts:
+        return torch.zeros(0, CHECKED_FIELDS, dtype=torch.int64)
+    dev = parts[0][0][0].device if parts[0][0] else torch.device("cpu")
+    return torch.cat([checksums(bufs, fields, counts).to(dev, non_blocking=True) for bufs, counts in parts])
+
+
+def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = False, block: int = BLOCK,
+                     chunk: int = CHUNK) -> torch.Tensor | None:
+    """`window_checksums` through the Triton kernel (one launch), or None where it does not apply:
+    not a CUDA device (unless `interpret`: CPU tensors, Triton's interpreter), triton missing, no
+    buffer the kernel can read, or a kernel that failed to launch once (logged; torch ops from then
+    on). block: lanes of a program (a power of two); chunk: words per program (a multiple of block)."""
+    device = torch.device(device)
+    if not interpret and device.type != "cuda":
+        return None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    n = sum(counts.shape[0] for _, counts in parts)
+    readable = [[_readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
+    if not any(map(any, readable)):
+        return None
+    on = torch.device("cpu") if interpret else device
+    out = torch.zeros(n * CHECKED_FIELDS, dtype=torch.int64, device=on)
+    staged = []
+
+    def stage(size):
+        # fresh pinned staging each launch: the caching host allocator does not hand the block out
+        # again before the non-blocking copy that reads it has completed
+        staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not interpret))
+        return staged[0].numpy()
+
+    _, programs = launch_table(parts, fields, readable, chunk, alloc=stage)
+    try:
+        if programs:
+            if interpret:
+                kernel[(programs,)](staged[0], 2 * programs, out, CHUNK=chunk, BLOCK=block)
+            else:
+                with torch.cuda.device(device):  # Triton launches on the current device and stream
+                    table = staged[0].to(device, non_blocking=True)
+                    kernel[(programs,)](table, 2 * programs, out, CHUNK=chunk, BLOCK=block, num_warps=4)
+                    _HELD.hold([t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r)
+                                if ok and not t.is_cuda], torch.cuda.current_stream(device))
+    except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
+        _KERNEL[0] = None
+        log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "
+                    "ops from now on", type(e).__name__, e)
+        return None
+    out = out.view(n, CHECKED_FIELDS)
+    rest = _unread_sums(parts, fields, readable, n)
+    if rest is not None:
+        out += rest if interpret else rest.pin_memory().to(device, non_blocking=True)
+    return out
+
+
+def _kernel():
+    if not _KERNEL:
+        try:
+            from reorder.batch.triton_checksum import checksum_pieces
+        except Exception:  # not installed, or a broken install: the self-check must not stop training
+            checksum_pieces = None
+        _KERNEL.append(checksum_pieces)
+    return _KERNEL[0]
+
+
+def _readable(t: torch.Tensor, device: torch.device, interpret: bool) -> bool:
+    """The kernel reads t by address: contiguous, and on the launch device or in pinned host memory
+    (interpreted: on the CPU)."""
+    if not t.is_contiguous():
+        return False
+    if interpret:
+        return t.device.type == "cpu"
+    return t.device == device or (t.device.type == "cpu" and t.is_pinned())
+
+
+def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
+    """int64 [n, CHECKED_FIELDS] on the host: the torch sums of the buffers the kernel does not
+    read (None when it reads them all)."""
+    if all(map(all, readable)):
+        return None
+    out = torch.zeros(n, CHECKED_FIELDS, dtype=torch.int64)
+    at = 0
+    for (bufs, counts), r in zip(parts, readable):
+        m = counts.shape[0]
+        for f, (field, buf, ok) in enumerate(zip(fields, bufs, r)):
+            per = None if ok else field_sums(f, field, buf, counts)
+            if per is not None:
+                out[at:at + m, field_slot(f)] += per.cpu()
+        at += m
+    return out
+
+
+def launch_table(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int]:
+    """The kernel's input as one int64 array, and its number of programs: rows [programs, 2] of
+    (piece row, first word), then rows [pieces, PIECE_WORDS] of (absolute address, entry stride in
+    bytes, words per entry, words, word width, salt, output index, 0) (`triton_checksum`). A piece
+    is one sample's entries of one field whose buffer the kernel reads (`readable[part][field]`);
+    its words are cut into programs of `chunk` words. The output index is sample * CHECKED_FIELDS +
+    the field's slot, samples numbered part after part. `alloc(size)` gives the int64 array to fill
+    (default np.empty). ValueError for a buffer smaller than its counts say."""
+    rows = []
+    at = 0
+    for p, (bufs, counts) in enumerate(parts):
+        m = counts.shape[0]
+        if len(bufs) != len(fields):
+            raise ValueError(f"part {p} has {len(bufs)} buffers for {len(fields)} fields")
+        for f, (field, buf) in enumerate(zip(fields, bufs)):
+            if m and readable[p][f]:
+                rows.append(_pieces(p, f, field, buf, counts, at))
+        at += m
+    pieces = np.concatenate(rows, axis=1) if rows else np.zeros((7, 0), dtype=np.int64)
+    pieces = pieces[:, pieces[3] > 0]  # pieces with words
+    per = (pieces[3] + chunk - 1) // chunk
+    first = np.cumsum(per) - per
+    programs = int(per.sum())
+    count = pieces.shape[1]
+    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(2 * programs + PIECE_WORDS * count)
+    blk = out[:2 * programs].reshape(programs, 2)
+    piece_rows = out[2 * programs:].reshape(count, PIECE_WORDS)
+    piece_rows[:, :7] = pieces.T
+    piece_rows[:, 7] = 0
+    blk[:, 0] = np.repeat(np.arange(count, dtype=np.int64), per)
+    blk[:, 1] = (np.arange(programs, dtype=np.int64) - first[blk[:, 0]]) * chunk
+    return out, programs
+
+
+def _pieces(p: int, f: int, field: tuple, buf: torch.Tensor, counts: SampleCounts, at: int) -> np.ndarray:
+    """int64 [7, n]: the pieces (one per sample; see `launch_table`) of field f of part p, whose
+    samples are numbered from `at`."""
+    kind, pre, unit = field
+    m = counts.shape[0]
+    width = word_width(kind, unit)
+    j = np.arange(m, dtype=np.int64)
+    if kind == "dense":
+        entries = np.full(m, pre, dtype=np.int64)
+        size = np.full(m, unit, dtype=np.int64)  # bytes per entry
+        start, stride, need = j * unit, np.full(m, m * unit, dtype=np.int64), pre * m * unit
+    else:
+        if kind == "list":
+            size = np.asarray(counts.list_bytes, dtype=np.int64)
+            entries = (size > 0).astype(np.int64)
+        else:
+            entries = np.asarray(counts.rows if kind == "row" else counts.images, dtype=np.int64)
+            size = np.full(m, unit, dtype=np.int64)
+        held = entries * size
+        start, stride, need = np.cumsum(held) - held, size, int(held.sum())
+    if buf.nbytes < need:
+        raise ValueError(f"field {f} of part {p}: its buffer holds {buf.nbytes} bytes, its counts need {need}")
+    salt = max(0, f - (CHECKED_FIELDS - 1)) << 32
+    return np.stack([buf.data_ptr() + start, stride, size // width, entries * (size // width),
+                     np.full(m, width, dtype=np.int64), np.full(m, salt, dtype=np.int64),
+                     (at + j) * CHECKED_FIELDS + field_slot(f)])
+
+
+class _Held:
+    """Pinned host buffers that queued launches read by address, held until those are done (the
+    caching host allocator cannot see a kernel's reads: as `reorder.exchange.executors.KeepAlive`)."""
+
+    def __init__(self):
+        self._pending = collections.deque()  # (event, tensors), in launch order
+
+    def hold(self, tensors: list, stream) -> None:
+        while self._pending and self._pending[0][0].query():
+            self._pending.popleft()
+        if tensors:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._pending.append((event, tensors))
+
+
+_HELD = _Held()

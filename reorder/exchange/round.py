@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reorder.batch.checksum import checksums
+from reorder.batch.checksum import window_checksums
 from reorder.batch.counting import count_samples
 from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, read_lists, resolved, unit_bytes
 from reorder.batch.layout import (LayoutError, describe, field_at, first_difference, grid_thw_of, rebuild, unify,
@@ -470,14 +470,12 @@ class WindowRound:
 
     def _sent_sums(self, window: _Window) -> np.ndarray:
         """int64 [W, B/dp, CHECKED_FIELDS]: this rank's checksums of the samples it read, where it
-        read them (one host copy when they live on a device)."""
+        read them (on CUDA one kernel launch for the window; one host copy when they live on a device)."""
         layout = window.layout.resolved()  # "any" fields hold as many rows as images: the same regions
-        fields = byte_fields(layout)
-        out = []
-        for s, (shard, blobs) in enumerate(zip(window.shards, window.blobs)):
-            bufs = field_buffers(layout, shard, blobs)
-            out.append(checksums(bufs, fields, SampleCounts(window.counts.table[s])).cpu())
-        return torch.stack(out).numpy()
+        parts = [(field_buffers(layout, shard, blobs), SampleCounts(window.counts.table[s]))
+                 for s, (shard, blobs) in enumerate(zip(window.shards, window.blobs))]
+        sums = window_checksums(parts, byte_fields(layout), self._target(window)).cpu()
+        return sums.view(len(parts), -1, CHECKED_FIELDS).numpy()
 
     def _compare(self, now: _Pending) -> "_Check":
         """This rank's checksums of what it assembled against the senders', as a pending comparison
@@ -489,15 +487,14 @@ class WindowRound:
         sent = wire.sums_of(now.frames, slots, b, len(COLUMNS), CHECKED_FIELDS)
         natural = plan.orders[:, self.grid.rank * b:(self.grid.rank + 1) * b]  # [W, b] natural index per output
         want = np.stack([sent[s, natural[s]] for s in range(slots)])
-        got = []
+        parts, nf = [], len(fields)
         for s in range(slots):
             if moves.kept[s]:
-                nf = len(fields)
-                bufs, counts = now.sources[s * nf:(s + 1) * nf], now.window.counts.table[s]
+                parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
             else:
-                bufs, counts = now.made[s], moves.out_counts.table[s]
-            got.append(checksums(bufs, fields, SampleCounts(counts)).to(dev))
-        differs = (torch.stack(got) != torch.from_numpy(want).to(dev, non_blocking=True)).to(torch.uint8)
+                parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
+        got = window_checksums(parts, fields, dev).to(dev).view(slots, b, CHECKED_FIELDS)  # one launch on CUDA
+        differs = (got != torch.from_numpy(want).to(dev, non_blocking=True)).to(torch.uint8)
         return _Check(window=self._windows - 1, natural=natural, names=_field_names(layout), differs=differs,
                       event=_recorded(differs))
 

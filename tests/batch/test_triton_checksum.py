@@ -1,0 +1,285 @@
+"""The self-check's one-launch checksum kernel against the torch ops, bit for bit: random windows
+(several micro-batches; dense, per-row, per-image and list fields of int64, int32, bfloat16,
+float32, uint8 and bool; odd entry sizes, empty fields and samples, buffers off their word
+alignment, fields sharing the last slot, buffers the kernel cannot read summed by torch ops) through Triton's interpreter (a subprocess with
+TRITON_INTERPRET=1, when triton is importable), a flipped byte changing exactly its (sample,
+field), and the round's self-check with the kernel on both sides. Without triton: the launch
+table, the dispatch off CUDA, and the fallback when a launch raises."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reorder.batch import checksum as cs
+from reorder.plan.checksums import CHECKED_FIELDS, field_slot, word_width
+from reorder.plan.counts import SampleCounts
+from reorder.plan.moves import ByteField
+from support.kernels import BrokenKernel
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = [torch.int64, torch.int32, torch.bfloat16, torch.float32, torch.uint8, torch.bool]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@st.composite
+def windows(draw, max_fields=6):
+    """(parts, fields): 1-3 micro-batches of 0-3 samples; dense fields [pre, n, k], per-row and
+    per-image fields [entries, k] (grid_thw-like int64 [images, 3] among them), maybe a list field
+    last; some buffers start off their word alignment."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    many = draw(st.integers(0, 4)) == 0  # more fields than checksum slots: the last ones share a slot
+    n_fields = CHECKED_FIELDS + 2 if many else draw(st.integers(1, max_fields))
+    spec = []  # (ByteField, dtype, elements per entry)
+    for _ in range(n_fields):
+        kind = draw(st.sampled_from(["dense", "dense", "row", "image"]))
+        dtype = draw(st.sampled_from(DTYPES))
+        k = draw(st.integers(0 if kind == "dense" else 1, 5))
+        if kind == "image" and draw(st.booleans()):
+            dtype, k = torch.int64, 3  # grid_thw
+        pre = draw(st.integers(1, 3)) if kind == "dense" else 1
+        spec.append((ByteField(kind, pre, k * dtype.itemsize), dtype, k))
+    spec.sort(key=lambda s: s[0].kind != "dense")  # byte_fields order: dense fields, then ragged ones
+    if draw(st.booleans()):
+        spec.append((ByteField("list", 1, 1), torch.uint8, 1))
+    parts = []
+    for _ in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(0, 3))
+        counts = SampleCounts.of(rows=rng.integers(0, 4, n), images=rng.integers(0, 3, n),
+                                 list_bytes=rng.integers(0, 10, n) * rng.integers(0, 2, n))
+        bufs = []
+        for (kind, pre, unit), dtype, k in spec:
+            if kind == "dense":
+                shape = (pre, n, k)
+            elif kind == "list":
+                shape = (int(counts.list_bytes.sum()),)
+            else:
+                shape = (int((counts.rows if kind == "row" else counts.images).sum()), k)
+            bufs.append(buffer(rng, dtype, shape, offset=int(rng.integers(0, 4))))
+        parts.append((bufs, counts))
+    return parts, tuple(f for f, _, _ in spec)
+
+
+def buffer(rng, dtype, shape, offset):
+    """A contiguous tensor of random bytes (bools 0/1), `offset` elements into its storage."""
+    numel = int(np.prod(shape))
+    base = torch.empty(numel + offset, dtype=dtype)
+    raw = base.view(torch.uint8)
+    raw.copy_(torch.from_numpy(rng.integers(0, 2 if dtype == torch.bool else 256, raw.numel(), dtype=np.uint8)))
+    return base[offset:].view(shape)
+
+
+def owner(field: tuple, counts: SampleCounts, byte: int) -> int:
+    """The sample (index in its micro-batch) whose bytes hold byte `byte` of a field's buffer."""
+    kind, pre, unit = field
+    if kind == "dense":
+        return byte // unit % counts.shape[0]
+    if kind == "list":
+        return int(np.searchsorted(np.cumsum(counts.list_bytes), byte, side="right"))
+    entries = counts.rows if kind == "row" else counts.images
+    return int(np.searchsorted(np.cumsum(entries), byte // unit, side="right"))
+
+
+def check_kernel_interpreted():
+    """Runs with TRITON_INTERPRET=1: the kernel's sums of random windows equal the torch ops' bit
+    for bit (small blocks and chunks, so pieces span several programs and several steps of one);
+    a flipped byte changes exactly its (sample, field) sum; and the round's self-check passes a
+    correct exchange and catches a flipped byte with the kernel summing both sides."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+    def same_sums_and_one_flip(window, sizes, pick):
+        parts, fields = window
+        block, chunk = sizes
+        got = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk)
+        want = cs.torch_checksums(parts, fields)
+        assert got.dtype == torch.int64 and got.shape == want.shape
+        assert torch.equal(got, want), (got - want).nonzero()
+        where = [(p, f) for p, (bufs, _) in enumerate(parts) for f, t in enumerate(bufs) if t.numel()]
+        if not where:
+            return
+        p, f = where[pick % len(where)]
+        flat = parts[p][0][f].view(-1).view(torch.uint8)
+        byte = pick % len(flat)
+        flat[byte] ^= 1 << (pick % 8)
+        again = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk)
+        sample = sum(c.shape[0] for _, c in parts[:p]) + owner(fields[f], parts[p][1], byte)
+        assert (again != got).nonzero().tolist() == [[sample, field_slot(f)]], (sample, f)
+
+    def some_buffers_unread(window, sizes, skip):
+        """Buffers the kernel cannot read (on CUDA: pageable host ones) are summed by torch ops and
+        added in; none readable: no launch (None), the caller's torch ops sum the window."""
+        parts, fields = window
+        block, chunk = sizes
+        unread = {id(t) for bufs, _ in parts for i, t in enumerate(bufs) if skip >> i & 1}
+        cs._readable = lambda t, device, interpret: id(t) not in unread
+        try:
+            got = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk)
+        finally:
+            cs._readable = readable
+        if len(unread) == sum(len(bufs) for bufs, _ in parts):
+            assert got is None
+        else:
+            assert torch.equal(got, cs.torch_checksums(parts, fields))
+
+    readable = cs._readable
+    t0 = time.perf_counter()
+    sizes = st.sampled_from([(16, 16), (16, 48), (64, 128)])
+    run = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    run(given(windows(), sizes, st.integers(0, 2**20))(same_sums_and_one_flip))()
+    run(given(windows(max_fields=4), sizes, st.integers(0, 2**20))(some_buffers_unread))()
+    print(f"property: {time.perf_counter() - t0:.1f} s")
+    check_round_interpreted()
+
+
+def check_round_interpreted():
+    """The round's self-check with the kernel (interpreted) summing both the senders' and the
+    receivers' sides: a correct exchange passes, one byte flipped by the executor is caught."""
+    import functools
+
+    import test_self_check as sc
+
+    from reorder import ReorderError
+    from reorder.exchange import round as round_module
+
+    round_module.window_checksums = functools.partial(cs.window_checksums, interpret=True)
+    calls, lock = [], threading.Lock()
+    kernel = cs._kernel()
+
+    class Serialized:  # the emulated ranks are threads; Triton's interpreter patches triton.language per launch
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                with lock:
+                    calls.append(grid)
+                    kernel[grid](*args, **meta)
+            return launch
+
+    cs._KERNEL[0] = Serialized()
+    t0 = time.perf_counter()
+    res = sc.stream({"vision": 1, "language": 2}, seed=5)
+    assert all(not isinstance(r, BaseException) for rs in res.values() for r in rs), res
+    assert calls and isinstance(cs._KERNEL[0], Serialized)  # the kernel summed, and never failed
+    res = sc.stream({"vision": 1, "language": 2}, seed=6, faulty=("language", 1), fault="flip")
+    assert all(isinstance(e, ReorderError) and "self-check failed" in str(e) for e in res["language"]), res
+    assert isinstance(cs._KERNEL[0], Serialized)
+    print(f"round: {time.perf_counter() - t0:.1f} s, {len(calls)} launches")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (pip install triton==3.9.0 to run the kernel in "
+                                           "its interpreter)")
+def test_checksum_kernel_in_interpreter():
+    here = Path(__file__).resolve().parent
+    path = [str(ROOT), str(here), str(here.parent / "exchange"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", "import test_triton_checksum as t; t.check_kernel_interpreted()"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    print(res.stdout, f"interpreted checksum kernel: {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_checksum_kernel_specializes_only_what_stays_fixed():
+    """The table offset changes with every window: not specialized (no variant compiled mid-run)."""
+    from reorder.batch.triton_checksum import checksum_pieces
+
+    assert {p.name for p in checksum_pieces.params if p.do_not_specialize} == {"rows_at"}
+    assert {p.name for p in checksum_pieces.params if p.is_constexpr} == {"CHUNK", "BLOCK"}
+
+
+# --- without triton ---------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(windows(), st.sampled_from([16, 48, 1024]))
+def test_the_launch_table_cuts_every_readable_word_once(window, chunk):
+    """Pieces: one per (sample, field) with words, of the field's word width, stride and output
+    word; programs: each piece's words in chunks, in order, without gaps or overlaps."""
+    parts, fields = window
+    readable = [[t.is_contiguous() for t in bufs] for bufs, _ in parts]
+    table, programs = cs.launch_table(parts, fields, readable, chunk)
+    blocks = table[:2 * programs].reshape(programs, 2)
+    pieces = table[2 * programs:].reshape(-1, cs.PIECE_WORDS)
+    want, at = {}, 0
+    for (bufs, counts), r in zip(parts, readable):
+        n = counts.shape[0]
+        for f, ((kind, pre, unit), t, ok) in enumerate(zip(fields, bufs, r)):
+            width = word_width(kind, unit)
+            entries = counts.entries(kind) * (pre if kind == "dense" else 1)
+            size = counts.list_bytes if kind == "list" else np.full(n, unit)
+            if kind == "list":
+                entries = (size > 0).astype(np.int64)
+            for j in range(n):
+                words = int(entries[j] * size[j] // width)
+                if ok and words:
+                    key = (at + j) * CHECKED_FIELDS + field_slot(f)
+                    want.setdefault(key, []).append((words, width, max(0, f - CHECKED_FIELDS + 1) << 32))
+        at += n
+    got = {}
+    for addr, stride, wpe, words, width, salt, out, zero in pieces.tolist():
+        assert zero == 0 and wpe > 0 and words % wpe == 0
+        got.setdefault(out, []).append((words, width, salt))
+    assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in want.items()}
+    for q, (*_, words, _, _, _, _) in enumerate(pieces.tolist()):
+        starts = blocks[blocks[:, 0] == q, 1].tolist()
+        assert starts == list(range(0, words, chunk))
+
+
+def test_a_buffer_smaller_than_its_counts_is_refused():
+    counts = SampleCounts.of(rows=np.array([2, 1]))
+    with pytest.raises(ValueError, match="field 0 of part 0: its buffer holds 16 bytes, its counts need 24"):
+        cs.launch_table([([torch.zeros(2, dtype=torch.int64)], counts)], (ByteField("row", 1, 8),), [[True]], 16)
+
+
+def test_off_cuda_the_window_is_summed_by_torch_ops(monkeypatch):
+    """On the CPU (no interpreter) the kernel is not called; the sums are each micro-batch's
+    `checksums`, part after part."""
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(grid)
+
+    monkeypatch.setattr(cs, "_KERNEL", [Kernel()])
+    parts, fields = _small_window()
+    got = cs.window_checksums(parts, fields, torch.device("cpu"))
+    want = torch.cat([cs.checksums(bufs, fields, counts) for bufs, counts in parts])
+    assert torch.equal(got, want) and calls == []
+    assert cs.kernel_checksums(parts, fields, "cpu") is None and calls == []
+
+
+def test_a_kernel_that_fails_leaves_the_sums_to_the_torch_ops(monkeypatch, caplog):
+    """A launch that raises (e.g. no Triton compiler for the GPU) is logged once; the sums come from
+    the torch ops, then and from then on (the kernel is not tried again)."""
+    broken = BrokenKernel()
+    monkeypatch.setattr(cs, "_KERNEL", [broken])
+    parts, fields = _small_window()
+    want = cs.torch_checksums(parts, fields)
+    with caplog.at_level("WARNING", logger="reorder"):
+        assert torch.equal(cs.window_checksums(parts, fields, "cpu", interpret=True), want)
+        assert torch.equal(cs.window_checksums(parts, fields, "cpu", interpret=True), want)
+    assert len(broken.launches) == 1 and cs._KERNEL == [None]
+    assert [r.message for r in caplog.records] == [
+        "reorder: the Triton checksum kernel failed (RuntimeError: no compiler for this GPU); the self-check sums "
+        "with torch ops from now on"]
+
+
+def _small_window():
+    rng = np.random.default_rng(1)
+    counts = SampleCounts.of(rows=np.array([2, 0, 1]), images=np.array([1, 0, 1]), list_bytes=np.array([3, 0, 5]))
+    fields = (ByteField("dense", 2, 12), ByteField("row", 1, 6), ByteField("image", 1, 24), ByteField("list", 1, 1))
+    parts = []
+    for _ in range(2):
+        bufs = [buffer(rng, torch.int32, (2, 3, 3), 0), buffer(rng, torch.bfloat16, (3, 3), 1),
+                buffer(rng, torch.int64, (2, 3), 0), buffer(rng, torch.uint8, (8,), 3)]
+        parts.append((bufs, counts))
+    return parts, fields
