@@ -5,10 +5,16 @@ of the check (checksums where the samples are read, the frame, the comparison on
 assembled) without a collective; the micro-batches are realistic Qwen-VL ones from pinned host
 memory (on CUDA) or the host.
 
-  PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--micro-batch 16] [--windows 200] [--json F]
+Each checked setting runs once per checksum path of --paths: `kernel` (the round's own: on CUDA one
+Triton launch per window and side, `reorder.batch.checksum.window_checksums`) and `torch` (the torch
+ops, the fallback), in the same alternation, so the kernel's saving is read off one table. On CUDA
+both by default; elsewhere `kernel` alone (there it is the torch ops).
 
-Prints one row per setting: median host ms per window, mean device ms per window (CUDA events),
-and the ratio to off; writes JSON."""
+  PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--micro-batch 16] [--windows 200]
+                                           [--paths kernel,torch] [--json F]
+
+Prints one row per setting and path: median host ms per window, mean device ms per window (CUDA
+events), the ratio to off, and how many of the row's checksum calls the kernel served; writes JSON."""
 
 from __future__ import annotations
 
@@ -21,9 +27,37 @@ import torch
 
 from bench.common import code_commit, cpu_name
 from reorder import CostModel, Grid, WindowExchanger
+from reorder.batch import checksum
 from reorder.cli import synthetic as syn
+from reorder.exchange import round as round_module
 
 SETTINGS = {"off": 0, "every 100th": 100, "every window": 1}
+
+
+class Path:
+    """A checksum path for the round, counting the window checksums it computes and those the
+    kernel served."""
+
+    def __init__(self, name: str):
+        self.name, self.calls, self.kernel = name, 0, 0
+
+    def __call__(self, parts, fields, device, **kw):
+        self.calls += 1
+        if self.name == "kernel":
+            got = checksum.kernel_checksums(parts, fields, device, **kw)
+            if got is not None:
+                self.kernel += 1
+                return got
+        return checksum.torch_checksums(parts, fields)
+
+
+def rows_of(paths: list) -> list:
+    """(row name, verify, path name or None) of every row: off, then each checked setting per path."""
+    out = [("off", 0, None)]
+    for name, n in SETTINGS.items():
+        if n:
+            out += [(name if len(paths) == 1 else f"{name} ({p})", n, p) for p in paths]
+    return out
 
 
 def main():
@@ -33,52 +67,68 @@ def main():
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--features", type=int, default=1176)
     p.add_argument("--mix", default="realistic")
-    p.add_argument("--windows", type=int, default=200, help="timed windows per setting")
+    p.add_argument("--windows", type=int, default=200, help="timed windows per row")
+    p.add_argument("--warmup", type=int, default=10, help="untimed windows per row first (Triton compiles, caches fill)")
+    p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
+                                   "kernel elsewhere)")
     p.add_argument("--json")
     args = p.parse_args()
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
+    paths = (args.paths or ("kernel,torch" if cuda else "kernel")).split(",")
+    if not paths or set(paths) - {"kernel", "torch"}:
+        p.error(f"--paths {args.paths!r}: expected kernel, torch or both, comma-separated")
     rng = np.random.default_rng(0)
     batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
                                      first_id=k * args.micro_batch) for k in range(8)]
     if cuda:
         batches = [syn.pin(b) for b in batches]
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    rows = rows_of(paths)
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
-                                device=dev, verify=n) for name, n in SETTINGS.items()}
-    host = {name: [] for name in SETTINGS}
-    device = {name: [] for name in SETTINGS}
-    for k in range(args.windows + 10):  # 10 untimed rounds first (Triton compiles, caches fill)
-        for name, e in ex.items():
-            b = batches[k % len(batches)]
-            if cuda:
-                torch.cuda.synchronize(dev)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            e.exchange([b])
-            t1 = time.perf_counter()
-            if cuda:
-                end.record()
-                torch.cuda.synchronize(dev)
-            if k >= 10:
-                host[name].append((t1 - t0) * 1e3)
+                                device=dev, verify=n) for name, n, _ in rows}
+    impl = {name: Path(path or "kernel") for name, _, path in rows}
+    host = {name: [] for name in ex}
+    device = {name: [] for name in ex}
+    try:
+        for k in range(args.windows + args.warmup):
+            for name, e in ex.items():
+                round_module.window_checksums = impl[name]
+                b = batches[k % len(batches)]
                 if cuda:
-                    device[name].append(start.elapsed_time(end))
-    rows = {}
-    for name in SETTINGS:
+                    torch.cuda.synchronize(dev)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                e.exchange([b])
+                t1 = time.perf_counter()
+                if cuda:
+                    end.record()
+                    torch.cuda.synchronize(dev)
+                if k >= args.warmup:
+                    host[name].append((t1 - t0) * 1e3)
+                    if cuda:
+                        device[name].append(start.elapsed_time(end))
+    finally:
+        round_module.window_checksums = checksum.window_checksums
+    out_rows = {}
+    off_h = float(np.median(host["off"]))
+    off_d = float(np.mean(device["off"])) if cuda else None
+    for name, n, path in rows:
         h = float(np.median(host[name]))
         d = float(np.mean(device[name])) if cuda else None
-        rows[name] = dict(host_ms=h, host_ratio=h / float(np.median(host["off"])),
-                          device_ms=d, device_ratio=None if d is None else d / float(np.mean(device["off"])))
-    print(f"{'self-check':14} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7}")
-    for name, r in rows.items():
+        out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
+                              device_ratio=None if d is None else d / off_d, checksum_calls=impl[name].calls,
+                              kernel_calls=impl[name].kernel)
+    print(f"{'self-check':24} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7} {'kernel sums':>12}")
+    for name, r in out_rows.items():
         dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
         dra = "-" if r["device_ratio"] is None else f"{r['device_ratio']:.3f}"
-        print(f"{name:14} {r['host_ms']:9.3f} {r['host_ratio']:7.3f} {dms:>10} {dra:>7}")
+        print(f"{name:24} {r['host_ms']:9.3f} {r['host_ratio']:7.3f} {dms:>10} {dra:>7} "
+              f"{r['kernel_calls']:>5}/{r['checksum_calls']:<6}")
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
                micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
-               windows=args.windows, settings=rows)
+               windows=args.windows, paths=paths, settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

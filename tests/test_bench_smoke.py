@@ -226,3 +226,21 @@ def test_calibration_bench_on_the_vit_writes_fit_plans_and_gains(tmp_path):
         for kind in ("measured", "predicted"):
             assert plan[kind]["spread"] >= 1 and plan[kind]["step_ms"] > 0
     assert set(r["gain_fitted_over_default"]) == {"predicted", "measured"}
+
+
+def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
+    """bench/verify_cost.py at toy size on the CPU, both checksum paths: a row per setting and path
+    (off once), finite host times, the kernel never launched off CUDA, every checked window summed."""
+    out = tmp_path / "verify.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "4",
+           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1",
+           "--paths", "kernel,torch", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())["settings"]
+    assert list(rows) == ["off", "every 100th (kernel)", "every 100th (torch)", "every window (kernel)",
+                          "every window (torch)"]
+    assert all(math.isfinite(r["host_ms"]) and r["host_ms"] > 0 and r["device_ms"] is None for r in rows.values())
+    assert all(r["kernel_calls"] == 0 for r in rows.values())
+    assert rows["off"]["checksum_calls"] == 0 and rows["every window (torch)"]["checksum_calls"] >= 4

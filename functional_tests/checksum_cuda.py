@@ -1,0 +1,237 @@
+"""The self-check's checksum kernel on a GPU, bit for bit against the torch ops: random windows whose
+buffers live on the device (some off their word alignment), in pinned host memory (read by the
+kernel by address) or in pageable host memory (summed by torch ops and added in), with pieces large
+enough to span many programs; the torch ops on the device agree with them on the host; a flipped
+byte changes exactly its (sample, field) sum; dp-1 windows through the exchanger with verify=1 pass
+with the kernel summing both sides, a byte the executor flips is caught at the next window; and the
+kernel compiled once (table offsets multiples of 16 and not).
+
+  python functional_tests/checksum_cuda.py [--windows 200]
+  TRITON_INTERPRET=1 python functional_tests/checksum_cuda.py --rehearse --windows 10   # on the CPU
+
+Prints one line per check and a summary dict; exits 1 on any mismatch. --rehearse runs the same
+checks on the CPU through Triton's interpreter (pinned and device buffers are host ones there; no
+compile count), so the script itself is exercised where no GPU is."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reorder import CostModel, Grid, ReorderError, WindowExchanger  # noqa: E402
+from reorder.batch import checksum as cs  # noqa: E402
+from reorder.cli import synthetic as syn  # noqa: E402
+from bench.common import synchronizer  # noqa: E402
+from reorder.exchange import round as round_module  # noqa: E402
+from reorder.exchange.executors import TorchExecutor, TritonExecutor  # noqa: E402
+from reorder.plan.checksums import CHECKED_FIELDS, field_slot  # noqa: E402
+from reorder.plan.counts import SampleCounts  # noqa: E402
+from reorder.plan.moves import ByteField  # noqa: E402
+
+DTYPES = [torch.int64, torch.int32, torch.bfloat16, torch.float32, torch.uint8, torch.bool]
+
+
+unread = set()  # rehearsal: ids of the buffers standing for pageable host ones
+
+
+def random_window(rng, dev):
+    """(parts on their devices, the same parts on the host, fields, where each buffer lives)."""
+    n_fields = CHECKED_FIELDS + 2 if rng.random() < 0.2 else int(rng.integers(1, 8))
+    spec = []
+    for _ in range(n_fields):
+        kind = str(rng.choice(["dense", "dense", "row", "image"]))
+        dtype = DTYPES[int(rng.integers(len(DTYPES)))]
+        k = int(rng.integers(0 if kind == "dense" else 1, 3000 if rng.random() < 0.3 else 9))
+        if kind == "image" and rng.random() < 0.5:
+            dtype, k = torch.int64, 3
+        spec.append((ByteField(kind, int(rng.integers(1, 4)) if kind == "dense" else 1, k * dtype.itemsize), dtype, k))
+    spec.sort(key=lambda s: s[0].kind != "dense")
+    if rng.random() < 0.5:
+        spec.append((ByteField("list", 1, 1), torch.uint8, 1))
+    parts, host, where = [], [], []
+    for _ in range(int(rng.integers(1, 5))):
+        n = int(rng.integers(0, 9))
+        counts = SampleCounts.of(rows=rng.integers(0, 40, n), images=rng.integers(0, 4, n),
+                                 list_bytes=rng.integers(0, 300, n))
+        bufs, copies = [], []
+        for (kind, pre, unit), dtype, k in spec:
+            shape = {"dense": (pre, n, k), "list": (int(counts.list_bytes.sum()),)}.get(
+                kind, (int((counts.rows if kind == "row" else counts.images).sum()), k))
+            numel, off = int(np.prod(shape)), int(rng.integers(0, 4))
+            base = torch.empty(numel + off, dtype=dtype)
+            raw = base.view(torch.uint8)
+            raw.copy_(torch.from_numpy(rng.integers(0, 2 if dtype == torch.bool else 256, raw.numel(), dtype=np.uint8)))
+            place = str(rng.choice(["device", "device", "pinned", "pageable"]))
+            cuda = dev.type == "cuda"
+            t = base.to(dev) if place == "device" else base.pin_memory() if place == "pinned" and cuda else base
+            if not cuda and place == "pageable":
+                unread.add(id(t))  # rehearsal: what the kernel could not read on CUDA
+            bufs.append(t[off:].view(shape))
+            copies.append(base[off:].view(shape))
+            where.append(place)
+        parts.append((bufs, counts))
+        host.append((copies, counts))
+    return parts, host, tuple(f for f, _, _ in spec), where
+
+
+def owner(field, counts, byte) -> int:
+    kind, pre, unit = field
+    if kind == "dense":
+        return byte // unit % counts.shape[0]
+    if kind == "list":
+        return int(np.searchsorted(np.cumsum(counts.list_bytes), byte, side="right"))
+    entries = counts.rows if kind == "row" else counts.images
+    return int(np.searchsorted(np.cumsum(entries), byte // unit, side="right"))
+
+
+def check_windows(args, dev, offsets: set) -> int:
+    rng, bad, launched, t_kernel, t_torch = np.random.default_rng(0), 0, 0, 0.0, 0.0
+    sync, kernel = synchronizer(dev), functools.partial(cs.kernel_checksums, interpret=args.rehearse)
+    for k in range(args.windows):
+        parts, host, fields, where = random_window(rng, dev)
+        want = cs.torch_checksums(host, fields)
+        sync()
+        t0 = time.perf_counter()
+        got = kernel(parts, fields, dev)
+        sync()
+        t_kernel += time.perf_counter() - t0
+        if got is None:
+            if any(w != "pageable" for w in where) and any(b.numel() for bufs, _ in parts for b in bufs):
+                bad += 1
+                print(f"window {k}: no launch, though the kernel could read a buffer ({where})", flush=True)
+            continue
+        launched += 1
+        readable = [[cs._readable(t, dev, args.rehearse) for t in bufs] for bufs, _ in parts]
+        offsets.add(2 * cs.launch_table(parts, fields, readable, cs.CHUNK)[1] % 16 == 0)
+        if got.device != dev or not torch.equal(got.cpu(), want):
+            bad += 1
+            print(f"window {k}: the kernel's sums differ from the torch ops' on the host", flush=True)
+            continue
+        on_device = [([t.to(dev) for t in bufs], c) for bufs, c in host]
+        t0 = time.perf_counter()
+        again = cs.torch_checksums(on_device, fields)
+        sync()
+        t_torch += time.perf_counter() - t0
+        if not torch.equal(again.cpu(), want):
+            bad += 1
+            print(f"window {k}: the torch ops on the device differ from the host's", flush=True)
+        live = [(p, f) for p, (bufs, _) in enumerate(parts) for f, t in enumerate(bufs)
+                if t.numel() and readable[p][f]]
+        if live:
+            p, f = live[int(rng.integers(len(live)))]
+            flat = parts[p][0][f].view(-1).view(torch.uint8)
+            byte = int(rng.integers(len(flat)))
+            flat[byte] ^= 1 << int(rng.integers(8))
+            changed = (kernel(parts, fields, dev) != got).nonzero().tolist()
+            sample = sum(c.shape[0] for _, c in parts[:p]) + owner(fields[f], parts[p][1], byte)
+            if changed != [[sample, field_slot(f)]]:
+                bad += 1
+                print(f"window {k}: a flipped byte of field {f} changed {changed}, not [[{sample}, "
+                      f"{field_slot(f)}]]", flush=True)
+    print(f"windows: {args.windows}, {launched} launched, {bad} mismatches; kernel {t_kernel * 1e3:.1f} ms in all, "
+          f"torch ops on the device {t_torch * 1e3:.1f} ms", flush=True)
+    return bad
+
+
+def flipping(executor):
+    """`executor`, flipping one byte of its largest destination once, when armed."""
+
+    class Flipping(type(executor)):
+        armed = False
+
+        def run(self, segments, sources, destinations, held=None):
+            super().run(segments, sources, destinations, held=held)
+            if self.armed and segments.nbytes.sum():
+                self.armed = False
+                d = max(destinations, key=lambda t: t.nbytes).reshape(-1).view(torch.uint8)
+                d[len(d) // 2] ^= 0x10
+
+    executor.__class__ = Flipping
+    return executor
+
+
+def check_exchanges(args, dev) -> int:
+    """dp-1 windows (pinned and device micro-batches) with verify=1: every one passes with the kernel
+    summing both sides; a byte flipped by the executor is caught at the next window."""
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    rng, bad = np.random.default_rng(2), 0
+    calls = []
+    kernel = cs._kernel()
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+
+    cs._KERNEL[0] = Counting()
+    ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev, window_size=2,
+                         verify=1)
+    flip = ex.round._executors[dev] = flipping(TorchExecutor() if args.rehearse else TritonExecutor())
+    for k in range(8):
+        g = [syn.make_global_batch(rng, 8, 512, features=24, mix="small", first_id=16 * k + 8 * i) for i in range(2)]
+        for i, mb in enumerate(g):  # per-sample lists: the list field, read from pageable host memory
+            mb["note"] = [f"n{i}{j}" * j for j in range(8)]
+        src = [syn.pin(b) if k % 2 and dev.type == "cuda" else syn.to_device(b, dev) for b in g]
+        try:
+            ex.exchange(src)
+        except ReorderError as e:
+            bad += 1
+            print(f"exchange {k} (a correct window) raised: {e}", flush=True)
+    launches = len(calls)
+    flip.armed = True
+    g = [syn.make_global_batch(rng, 8, 512, features=24, mix="small", first_id=1000 + 8 * i) for i in range(2)]
+    ex.exchange([syn.to_device(b, dev) for b in g])
+    try:
+        ex.exchange([])
+        bad += 1
+        print("a flipped byte went unseen", flush=True)
+    except ReorderError as e:
+        print(f"flipped byte caught: {str(e)[:160]}", flush=True)
+    ok_kernel = isinstance(cs._KERNEL[0], Counting)
+    bad += int(not ok_kernel) + int(launches < 8)
+    cs._KERNEL[0] = kernel
+    print(f"exchanges: 8 windows, {launches} kernel launches, kernel never failed: {ok_kernel}", flush=True)
+    return bad
+
+
+def compiled_variants(kernel) -> int:
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--windows", type=int, default=200)
+    p.add_argument("--rehearse", action="store_true", help="on the CPU, through Triton's interpreter "
+                                                          "(TRITON_INTERPRET=1)")
+    args = p.parse_args()
+    if args.rehearse:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--rehearse needs TRITON_INTERPRET=1 in the environment")
+        dev = torch.device("cpu")
+        readable = cs._readable
+        cs._readable = lambda t, device, interpret: id(t) not in unread and readable(t, device, interpret)
+        round_module.window_checksums = functools.partial(cs.window_checksums, interpret=True)
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    offsets = set()
+    bad = check_windows(args, dev, offsets) + check_exchanges(args, dev)
+    from reorder.batch.triton_checksum import checksum_pieces
+
+    variants = 1 if args.rehearse else compiled_variants(checksum_pieces)
+    print(f"compiled variants: checksum kernel {variants} (table offsets multiples of 16: {sorted(offsets)})",
+          flush=True)
+    recompiled = int(variants != 1) + int(len(offsets) != 2 and not args.rehearse)
+    print({"ok": bad + recompiled == 0, "windows": args.windows, "compiled_once": recompiled == 0})
+    return 1 if bad + recompiled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
