@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import threading
 
 import numpy as np
 import torch
@@ -148,12 +150,13 @@ def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
 def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = False, block: int = BLOCK,
                      chunk: int = CHUNK) -> torch.Tensor | None:
     """`window_checksums` through the Triton kernel (one launch), or None where it does not apply:
-    not a CUDA device (unless `interpret`: CPU tensors, Triton's interpreter), triton missing, no
-    buffer the kernel can read, or a kernel that failed to launch once (logged; torch ops from then
-    on). block: lanes of a program (a power of two); chunk: words per program (a multiple of block)."""
+    not a CUDA device (unless `interpret`: CPU tensors, Triton's interpreter; with TRITON_INTERPRET=1
+    in the environment, `interpret` alone), triton missing, no buffer the kernel can read, or a
+    kernel that failed to launch once (logged; torch ops from then on). block: lanes of a program
+    (a power of two); chunk: words per program (a multiple of block)."""
     device = torch.device(device)
-    if not interpret and device.type != "cuda":
-        return None
+    if not interpret and (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None  # (an interpreted kernel would read the table's device addresses on the host)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     kernel = _kernel()
@@ -297,18 +300,23 @@ def _pieces(p: int, f: int, field: tuple, buf: torch.Tensor, counts: SampleCount
 
 class _Held:
     """Pinned host buffers that queued launches read by address, held until those are done (the
-    caching host allocator cannot see a kernel's reads: as `reorder.exchange.executors.KeepAlive`)."""
+    caching host allocator cannot see a kernel's reads: as `reorder.exchange.executors.KeepAlive`).
+    One per process, shared by every round and thread (an overlap worker launches too): locked."""
 
     def __init__(self):
         self._pending = collections.deque()  # (event, tensors), in launch order
+        self._lock = threading.Lock()
 
     def hold(self, tensors: list, stream) -> None:
-        while self._pending and self._pending[0][0].query():
-            self._pending.popleft()
-        if tensors:
-            event = torch.cuda.Event()
-            event.record(stream)
-            self._pending.append((event, tensors))
+        """Keep `tensors` until the work queued so far on `stream` is done; let go of those whose
+        launches have completed."""
+        with self._lock:
+            while self._pending and self._pending[0][0].query():
+                self._pending.popleft()
+            if tensors:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._pending.append((event, tensors))
 
 
 _HELD = _Held()
