@@ -255,6 +255,8 @@ def test_off_cuda_the_window_is_summed_by_torch_ops(monkeypatch):
     want = torch.cat([cs.checksums(bufs, fields, counts) for bufs, counts in parts])
     assert torch.equal(got, want) and calls == []
     assert cs.kernel_checksums(parts, fields, "cpu") is None and calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted, a CUDA launch would read device addresses on the host
+    assert cs.kernel_checksums(parts, fields, "cuda") is None and calls == []
 
 
 def test_a_kernel_that_fails_leaves_the_sums_to_the_torch_ops(monkeypatch, caplog):
