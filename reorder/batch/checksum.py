@@ -119,6 +119,7 @@ def _words(t: torch.Tensor, width: int) -> torch.Tensor:
 
 log = logging.getLogger("reorder")
 _KERNEL = []  # [the Triton checksum kernel, or None where triton does not import or a launch failed]
+_KERNEL_AGREED = []  # [True] once the kernel's first window equalled the torch ops' sums
 
 
 def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = False) -> torch.Tensor:
@@ -132,11 +133,24 @@ def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     `device`, and nothing waits for the device. Elsewhere, or once a launch has raised (logged
     once), torch ops on each part (`checksums`): the result is on the first buffer's device. Either
     way bit for bit the same sums. `interpret`: the kernel on CPU tensors through Triton's
-    interpreter (TRITON_INTERPRET=1 set before triton is imported; tests)."""
+    interpreter (TRITON_INTERPRET=1 set before triton is imported; tests).
+
+    The kernel's first window in a process is also summed with torch ops and compared (one wait for
+    the device, once): a kernel that disagrees (a compiler or GPU the kernel was never run on) is
+    logged and replaced by the torch ops from then on, so the check never reports a mismatch that
+    only its own kernel made."""
     got = kernel_checksums(parts, fields, device, interpret=interpret)
-    if got is not None:
-        return got
-    return torch_checksums(parts, fields)
+    if got is None:
+        return torch_checksums(parts, fields)
+    if not _KERNEL_AGREED:
+        want = torch_checksums(parts, fields).to(got.device)
+        if not torch.equal(got, want):
+            _KERNEL[0] = None
+            log.warning("reorder: the Triton checksum kernel's first window differs from the torch ops' sums; the "
+                        "self-check sums with torch ops from now on")
+            return want
+        _KERNEL_AGREED.append(True)
+    return got
 
 
 def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:

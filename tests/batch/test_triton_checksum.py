@@ -285,3 +285,42 @@ def _small_window():
                 buffer(rng, torch.int64, (2, 3), 0), buffer(rng, torch.uint8, (8,), 3)]
         parts.append((bufs, counts))
     return parts, fields
+
+
+def test_a_kernel_whose_first_window_differs_from_the_torch_ops_is_replaced(monkeypatch, caplog):
+    """A kernel that launches but sums wrong (a compiler or GPU it never ran on) must not make the
+    self-check report a mismatch of its own: its first window is compared with the torch ops, the
+    torch sums are returned, a warning is logged once and the kernel is not called again."""
+    parts, fields = _small_window()
+    want = cs.torch_checksums(parts, fields)
+    wrong = []
+
+    def off_by_one(parts_, fields_, device, *, interpret=False):
+        wrong.append(device)
+        return want + 1
+
+    monkeypatch.setattr(cs, "kernel_checksums", lambda *a, **k: off_by_one(*a, **k) if cs._KERNEL[0] else None)
+    monkeypatch.setattr(cs, "_KERNEL", [object()])
+    monkeypatch.setattr(cs, "_KERNEL_AGREED", [])
+    with caplog.at_level("WARNING", logger="reorder"):
+        assert torch.equal(cs.window_checksums(parts, fields, "cpu"), want)
+        assert torch.equal(cs.window_checksums(parts, fields, "cpu"), want)
+    assert len(wrong) == 1 and cs._KERNEL == [None] and cs._KERNEL_AGREED == []
+    assert [r.message for r in caplog.records] == [
+        "reorder: the Triton checksum kernel's first window differs from the torch ops' sums; the self-check sums "
+        "with torch ops from now on"]
+
+
+def test_a_kernel_that_agrees_on_its_first_window_is_compared_only_then(monkeypatch):
+    """After one agreeing window the kernel's sums are returned as they are (no second torch sum)."""
+    parts, fields = _small_window()
+    want = cs.torch_checksums(parts, fields)
+    compared = []
+    real = cs.torch_checksums
+    monkeypatch.setattr(cs, "torch_checksums", lambda p, f: compared.append(1) or real(p, f))
+    monkeypatch.setattr(cs, "kernel_checksums", lambda *a, **k: want.clone())
+    monkeypatch.setattr(cs, "_KERNEL", [object()])
+    monkeypatch.setattr(cs, "_KERNEL_AGREED", [])
+    for _ in range(3):
+        assert torch.equal(cs.window_checksums(parts, fields, "cpu"), want)
+    assert compared == [1] and cs._KERNEL_AGREED == [True]
