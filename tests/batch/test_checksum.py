@@ -4,12 +4,17 @@ entries, per-row and per-image fields, the list field, more fields than checksum
 ones share the last word, told apart by their salt), samples without rows, images or list bytes,
 buffers of any dtype and at any byte offset; and the result's place: the buffers' device."""
 
+import ctypes
+import sys
+import types
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reorder.batch import checksum as cs
 from reorder.batch.checksum import checksums
 from reorder.plan.checksums import CHECKED_FIELDS
 from reorder.plan.counts import SampleCounts
@@ -71,27 +76,35 @@ DTYPES = [torch.uint8, torch.int8, torch.int16, torch.float16, torch.int32, torc
           torch.float64]
 
 
-@st.composite
-def shards(draw, max_fields=20):
-    """(fields, buffers, counts, the buffers' bytes): dense fields first, then per-row and per-image
-    fields, then at most one list field; every buffer random bytes (0xFF and 0x7F.. words included),
-    some typed as a wider dtype, some starting at a byte offset inside a larger tensor."""
-    n = draw(st.integers(0, 4))
-    counts = {name: draw(st.lists(st.integers(0, top), min_size=n, max_size=n))
-              for name, top in (("rows", 3), ("images", 2), ("list_bytes", 9))}
-    dense = draw(st.lists(st.tuples(st.integers(1, 3), st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16])),
-                          min_size=1, max_size=max_fields))
+def layouts(draw, max_fields):
+    """ByteFields: dense fields first (some with no bytes: no leading entries or empty samples),
+    then per-row and per-image fields, then at most one list field; sometimes more fields than
+    checksum words, so that the later ones share the last word."""
+    count = draw(st.sampled_from([1, 2, 3, CHECKED_FIELDS - 1, CHECKED_FIELDS + 1, CHECKED_FIELDS + 3]))
+    count = min(count, max_fields)
+    dense = [draw(st.tuples(st.integers(0, 3) if draw(st.integers(0, 9)) == 0 else st.integers(1, 3),
+                            st.sampled_from([0, 1, 2, 3, 4, 6, 8, 12, 16]))) for _ in range(count)]
     ragged = draw(st.lists(st.tuples(st.sampled_from(["row", "image"]), st.sampled_from([1, 2, 4, 6, 8, 24])),
                            max_size=4))
     fields = [ByteField("dense", pre, unit) for pre, unit in dense]
     fields += [ByteField(kind, 1, unit) for kind, unit in ragged]
     if draw(st.booleans()):
         fields.append(ByteField("list", 1, 1))
+    return tuple(fields)
+
+
+def part(draw, fields):
+    """(buffers, counts, the buffers' bytes, plain counts) of 0-4 samples of `fields`: random bytes
+    (0xFF and 0x7F.. words included), some typed as a wider dtype, some starting at a byte offset
+    inside a larger tensor."""
+    n = draw(st.integers(0, 4))
+    plain = {name: draw(st.lists(st.integers(0, top), min_size=n, max_size=n))
+             for name, top in (("rows", 3), ("images", 2), ("list_bytes", 9))}
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     buffers, datas = [], []
     for kind, pre, unit in fields:
-        entries = {"dense": pre * n, "row": sum(counts["rows"]), "image": sum(counts["images"]),
-                   "list": sum(counts["list_bytes"])}[kind]
+        entries = {"dense": pre * n, "row": sum(plain["rows"]), "image": sum(plain["images"]),
+                   "list": sum(plain["list_bytes"])}[kind]
         nbytes = entries * (1 if kind == "list" else unit)
         data = rng.choice(np.array([0, 1, 0x7F, 0x80, 0xFF], np.uint8), nbytes) if draw(st.booleans()) else \
             rng.integers(0, 256, nbytes, dtype=np.uint8)
@@ -106,7 +119,26 @@ def shards(draw, max_fields=20):
             raw = raw.view(dtype)
         buffers.append(raw)
         datas.append(data.tobytes())
-    return tuple(fields), buffers, SampleCounts.of(**{k: np.array(v, np.int64) for k, v in counts.items()}), datas, counts
+    counts = SampleCounts.of(**{k: np.array(v, np.int64) for k, v in plain.items()})
+    return buffers, counts, datas, plain
+
+
+@st.composite
+def shards(draw, max_fields=CHECKED_FIELDS + 3):
+    """(fields, buffers, counts, the buffers' bytes, plain counts) of one shard."""
+    fields = layouts(draw, max_fields)
+    return (fields, *part(draw, fields))
+
+
+@st.composite
+def windows(draw, max_fields=CHECKED_FIELDS + 3):
+    """(fields, parts): 1-3 micro-batches of the same fields; parts: (buffers, counts, bytes, plain counts)."""
+    fields = layouts(draw, max_fields)
+    return fields, [part(draw, fields) for _ in range(draw(st.integers(1, 3)))]
+
+
+def spec_window(fields, parts) -> list:
+    return [row for bufs, counts, datas, plain in parts for row in spec_checksums(fields, datas, counts.shape[0], plain)]
 
 
 @settings(max_examples=150, deadline=None)
@@ -148,8 +180,14 @@ def test_buffers_on_a_device_give_checksums_on_that_device():
                                                       ByteField("list", 1, 1)])
     sizes = [2 * n * 8] * 17 + [3 * 4, 3 * 12, 8]
     buffers = [torch.empty(s, dtype=torch.uint8, device="meta") for s in sizes]
+    buffers[-1] = torch.zeros(8, dtype=torch.uint8)             # pickled list bytes stay on the host
     got = checksums(buffers, fields, counts)
     assert got.device.type == "meta" and got.dtype == torch.int64 and tuple(got.shape) == (n, CHECKED_FIELDS)
+    got = cs.torch_checksums([(buffers, counts), (buffers, counts)], fields)
+    assert got.device.type == "meta" and tuple(got.shape) == (2 * n, CHECKED_FIELDS)
+    host = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
+    got = cs.torch_checksums([(buffers, counts), (host, counts)], fields)   # on the first part's first buffer's device
+    assert got.device.type == "meta" and tuple(got.shape) == (2 * n, CHECKED_FIELDS)
 
 
 def test_no_buffers_give_zero_checksums_on_the_host():
@@ -185,3 +223,181 @@ def test_extreme_words(unit):
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     want = spec_checksums(fields, [data], n, {"rows": [0] * n, "images": [0] * n, "list_bytes": [0] * n})
     assert checksums([buf], fields, counts).numpy().view(np.uint64).tolist() == want
+
+
+def test_a_window_summed_by_torch_ops_is_its_parts_one_after_the_other():
+    counts = SampleCounts.of(rows=np.zeros(2, np.int64))
+    assert cs.torch_checksums([], ()).dtype == torch.int64 and cs.torch_checksums([], ()).shape == (0, CHECKED_FIELDS)
+    got = cs.torch_checksums([([], counts), ([], SampleCounts.of(rows=np.zeros(1, np.int64)))], ())
+    assert got.device.type == "cpu" and got.tolist() == [[0] * CHECKED_FIELDS] * 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(windows())
+def test_window_checksums_off_cuda_are_the_documented_sums(window):
+    fields, parts = window
+    got = cs.window_checksums([(b, c) for b, c, _, _ in parts], fields, torch.device("cpu"))
+    assert got.numpy().view(np.uint64).tolist() == spec_window(fields, parts)
+
+
+# --- the one-launch path, through a kernel that follows the documented table in plain Python -----
+
+class PlainPieces:
+    """`checksum_pieces` of reorder.batch.triton_checksum in plain Python, launched as the
+    interpreted kernel is (kernel[(programs,)](table, rows_at, out, CHUNK=, BLOCK=)), reading the
+    words by absolute address as documented there: program p reads its (piece row, first word) at
+    table[2p:2p+2], the piece's (address, entry stride, words per entry, words, width, salt, output
+    index, 0) at table[rows_at + 8 * piece:], sums at most CHUNK words from `first` and adds the sum
+    to out[output index]. BLOCK must be a power of two dividing CHUNK, as the kernel needs."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(table, rows_at, out, *, CHUNK, BLOCK):
+            if BLOCK < 1 or BLOCK & (BLOCK - 1) or CHUNK % BLOCK:
+                raise ValueError(f"BLOCK {BLOCK} and CHUNK {CHUNK}")
+            t = table.tolist()
+            self.launches.append((grid, len(t)))
+            for p in range(grid[0]):
+                piece, first = t[2 * p:2 * p + 2]
+                addr, stride, wpe, words, width, salt, dst, zero = t[rows_at + 8 * piece:rows_at + 8 * piece + 8]
+                assert zero == 0
+                total = int(out[dst])
+                for k in range(first, first + min(words - first, CHUNK)):
+                    e, c = divmod(k, wpe)
+                    w = int.from_bytes(ctypes.string_at(addr + e * stride + c * width, width), "little",
+                                       signed=width > 1)
+                    total = (total + (w + 1) * spec_mix(c * width) * spec_mix(e + salt)) & MASK64
+                out[dst] = total - (1 << 64) if total >> 63 else total
+        return launch
+
+
+@pytest.fixture
+def plain_kernel(monkeypatch):
+    kernel = PlainPieces()
+    monkeypatch.setattr(cs, "_KERNEL", [kernel])
+    return kernel
+
+
+@settings(max_examples=60, deadline=None)
+@given(windows(), st.sampled_from([(4, 8), (8, 8), (16, 64)]), st.integers(0, 2**20))
+def test_one_launch_gives_the_documented_sums(window, sizes, skip):
+    """Every (sample, field) of every micro-batch summed by one launch (pieces cut into programs of
+    `chunk` words, BLOCK lanes) where the kernel can read the buffer, the others (here: those a
+    stand-in for `_readable` refuses, every `skip`-th one) by torch ops and added in; one program
+    per `chunk` words of each piece (no word: no launch); no readable buffer: None."""
+    fields, parts = window
+    block, chunk = sizes
+    kernel = PlainPieces()
+    unread = {id(b) for i, (bufs, _, _, _) in enumerate(parts) for f, b in enumerate(bufs) if skip >> ((i * 7 + f) % 20) & 1}
+    readable, cs._readable = cs._readable, lambda t, device, interpret: id(t) not in unread and readable(t, device, interpret)
+    cs._KERNEL[:] = [kernel]
+    try:
+        got = cs.kernel_checksums([(b, c) for b, c, _, _ in parts], fields, "cpu", interpret=True, block=block,
+                                  chunk=chunk)
+    finally:
+        cs._KERNEL[:] = []
+        cs._readable = readable
+    if all(id(b) in unread for bufs, _, _, _ in parts for b in bufs):
+        assert got is None and kernel.launches == []
+        return
+    assert got.dtype == torch.int64 and got.device.type == "cpu"
+    assert got.numpy().view(np.uint64).tolist() == spec_window(fields, parts)
+    words = [sum(len(e) for e in entries) // spec_width(kind, unit)
+             for bufs, counts, datas, plain in parts
+             for (kind, pre, unit), b, d in zip(fields, bufs, datas) if id(b) not in unread
+             for entries in spec_entries(kind, pre, unit, d, counts.shape[0], plain)]
+    programs = sum(-(-w // chunk) for w in words)
+    assert [grid for grid, _ in kernel.launches] == ([(programs,)] if programs else [])
+
+
+def test_the_launch_device_and_what_it_can_read(monkeypatch, plain_kernel):
+    """A CUDA device without an index is the current one; the kernel reads a buffer on the launch
+    device or in pinned host memory (here a stand-in: is_pinned answers True), nothing strided."""
+    cuda = torch.device("cuda", 0)
+    t = torch.zeros(4)
+    assert cs._readable(t, cuda, False) is False and cs._readable(t, torch.device("cpu"), False) is True
+    assert cs._readable(torch.zeros(4, device="meta"), torch.device("meta"), False) is True
+    assert cs._readable(t, cuda, True) is True and cs._readable(torch.zeros(4, device="meta"), cuda, True) is False
+    assert cs._readable(torch.zeros(4, 2).t(), torch.device("cpu"), True) is False
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self.device.type == "cpu")
+    assert cs._readable(t, cuda, False) is True
+    assert cs._readable(torch.zeros(4, device="meta"), cuda, False) is False
+    # interpreted with a CUDA device named: the device gets its index, the sums stay on the host
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    counts = SampleCounts.of(rows=np.zeros(2, np.int64))
+    fields = (ByteField("dense", 1, 8),)
+    data = np.arange(16, dtype=np.uint8)
+    got = cs.kernel_checksums([([torch.from_numpy(data.copy())], counts)], fields, "cuda", interpret=True)
+    assert got.device.type == "cpu"
+    want = spec_checksums(fields, [data.tobytes()], 2, {"rows": [0, 0], "images": [0, 0], "list_bytes": [0, 0]})
+    assert got.numpy().view(np.uint64).tolist() == want
+
+
+def test_the_kernel_is_imported_once_and_a_failed_launch_is_logged_once(monkeypatch, caplog):
+    """The first use imports `checksum_pieces` from reorder.batch.triton_checksum and keeps it; an
+    import that fails means torch ops, with nothing logged; a launch that raises is logged once, in
+    full, and the torch ops sum from then on."""
+    from support.kernels import BrokenKernel
+    counts = SampleCounts.of(rows=np.zeros(1, np.int64))
+    parts = [([torch.arange(8, dtype=torch.uint8)], counts)]
+    fields = (ByteField("dense", 1, 8),)
+    kernel = PlainPieces()
+    monkeypatch.setattr(cs, "_KERNEL", [])
+    monkeypatch.setitem(sys.modules, "reorder.batch.triton_checksum", types.SimpleNamespace(checksum_pieces=kernel))
+    want = cs.torch_checksums(parts, fields)
+    assert torch.equal(cs.kernel_checksums(parts, fields, "cpu", interpret=True), want) and cs._KERNEL == [kernel]
+    monkeypatch.setattr(cs, "_KERNEL", [])
+    monkeypatch.setitem(sys.modules, "reorder.batch.triton_checksum", None)
+    with caplog.at_level("DEBUG"):
+        assert cs.kernel_checksums(parts, fields, "cpu", interpret=True) is None
+    assert cs._KERNEL == [None] and caplog.records == []
+    monkeypatch.setattr(cs, "_KERNEL", [BrokenKernel()])
+    with caplog.at_level("WARNING", logger="reorder"):
+        assert torch.equal(cs.window_checksums(parts, fields, "cpu", interpret=True), want)
+        assert torch.equal(cs.window_checksums(parts, fields, "cpu", interpret=True), want)
+    assert cs._KERNEL == [None]
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("reorder", "reorder: the Triton checksum kernel failed (RuntimeError: no compiler for this GPU); the "
+                    "self-check sums with torch ops from now on")]
+
+
+def test_a_part_with_a_buffer_per_field_only():
+    counts = SampleCounts.of(rows=np.zeros(1, np.int64))
+    with pytest.raises(ValueError) as e:
+        cs.launch_table([([torch.zeros(8, dtype=torch.uint8)], counts), ([], counts)], (ByteField("dense", 1, 8),),
+                        [[True], []], 16)
+    assert str(e.value) == "part 1 has 0 buffers for 1 fields"
+
+
+class Event:
+    """A stand-in for torch.cuda.Event: done once `done` is set."""
+
+    def __init__(self):
+        self.done, self.stream = False, None
+
+    def record(self, stream):
+        self.stream = stream
+
+    def query(self):
+        return self.done
+
+
+def test_held_buffers_are_let_go_once_their_launches_are_done(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    held = cs._Held()
+    a, b, c = [torch.zeros(1)], [torch.ones(1)], [torch.ones(2)]
+    held.hold(a, "s0")
+    held.hold([], "s0")                                   # nothing to hold: no event
+    held.hold(b, "s1")
+    assert [(e.stream, t) for e, t in held._pending] == [("s0", a), ("s1", b)]
+    held._pending[0][0].done = True
+    held.hold(c, "s2")                                    # the first launch is done: let go of a
+    assert [(e.stream, t) for e, t in held._pending] == [("s1", b), ("s2", c)]
+    held._pending[1][0].done = True                       # done, but after one still pending: kept in order
+    held.hold([], "s3")
+    assert [t for _, t in held._pending] == [b, c]
+    held._pending[0][0].done = True
+    held.hold([], "s3")
+    assert list(held._pending) == []
