@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Mutation score of the pure core: mutmut 3.8.1 (pyproject.toml [tool.mutmut]: the mutated files and
-# the fast tests), then ci/mutation/summary.md and summary.json (per file: killed, survived, timeout,
-# equivalent per ci/mutation/equivalent.txt, and the score).
+# the fast tests), then ci/mutation/summary.md and summary.json (per file: the run that judged it,
+# killed, survived, timeout, the reviewed survivors by category (ci/mutation/equivalent.txt,
+# another_plan.txt, rounding.txt, cuda_only.txt), and the score).
 #
 #   ci/mutation.sh                           every mutant, from scratch (mutants/ is removed first)
 #   ci/mutation.sh 'reorder.plan.grid.*'     only these mutants (mutmut name globs), keeping the
-#                                            verdicts of the others in mutants/; summary over all
+#                                            verdicts of the others in mutants/; summary over all (a
+#                                            file whose mutants the globs leave out keeps the row of
+#                                            the run that judged it, with the mutants judged again)
 #   MUTATION_JOBS=16 ci/mutation.sh          parallel workers (default 1: one core)
 #   MUTATION_RESUME=1 ci/mutation.sh         go on with the mutants that have no verdict yet (after an
 #                                            interrupted run)
@@ -33,5 +36,5 @@ elif [ $rc -ne 0 ]; then
     tail -c 4000 "$log" | tr '\r' '\n' | tail -40; echo "mutmut run failed (exit $rc, log: $log)"
 fi
 grep -a 'mutations/second' "$log" || true
-"$PY" ci/mutation_sample.py summary --seconds $(( $(date +%s) - start ))
+"$PY" ci/mutation_sample.py summary --seconds $(( $(date +%s) - start )) --jobs "${MUTATION_JOBS:-1}" -- "$@"
 exit $rc

@@ -3,12 +3,15 @@
 
     python ci/mutation_sample.py sample [--count 60] [--seed REV] [--jobs 2] [GLOB...]
         CI check: a sample of the mutants, drawn with the commit hash as the seed, run against the
-        fast tests; fails (exit 1) when one survives (or has no test) and is not on the reviewed
-        list ci/mutation/equivalent.txt, or when a listed mutant's diff changed (the list is stale).
+        fast tests; fails (exit 1) when one survives (or has no test) and is not on a reviewed list
+        (below), or when a listed mutant's diff changed (the list is stale).
         GLOBs (mutmut name patterns, e.g. 'reorder.plan.wire.*') draw from the matching mutants only.
-    python ci/mutation_sample.py summary [--seconds S]
+    python ci/mutation_sample.py summary [--seconds S] [--jobs J] [-- GLOB...]
         Write ci/mutation/summary.md and summary.json from the verdicts in mutants/ (ci/mutation.sh
-        runs mutmut, then this).
+        runs mutmut, then this, with its globs). A file whose every mutant this run judged gets this
+        run's row; the other files keep the row of the run that last judged them (mutants of theirs
+        this run judged again replace their old verdicts), so the summary states per file which run,
+        at which commit, produced it.
     python ci/mutation_sample.py show NAME...     the diff of each mutant and its fingerprint
     python ci/mutation_sample.py list             every mutant name (generates the mutants)
 
@@ -16,10 +19,19 @@ Mutant names are mutmut's: module path, then x_<function> or xǁ<Class>ǁ<method
 e.g. reorder.plan.grid.xǁGridǁ__post_init____mutmut_3 or reorder.plan.orders.x__does_not_pay__mutmut_7.
 k numbers the mutations of one function in source order: a name stays the same while its function's
 source is unchanged (mutmut 3.8.1), and is renumbered when that function is edited. So every line of
-equivalent.txt carries the fingerprint of the mutant's diff: an entry whose diff no longer matches is
-stale and counts as a survivor until it is reviewed again.
+a reviewed list carries the fingerprint of the mutant's diff: an entry whose diff no longer matches
+is stale and counts as a survivor until it is reviewed again.
 
-equivalent.txt: one mutant per line, `NAME FINGERPRINT reason`; `#` starts a comment.
+Reviewed lists, one mutant per line, `NAME FINGERPRINT reason`; `#` starts a comment. Each is a
+category of its own in the summary; only the first is left out of the score:
+    ci/mutation/equivalent.txt    equivalent: no input tells the mutant from the original
+    ci/mutation/another_plan.txt  same objective, another plan: an input does tell it apart, but the
+                                  result is another of several equally good ones (another optimal
+                                  plan of `exact`, a plan within `balanced`'s tie margin)
+    ci/mutation/rounding.txt      same value, another rounding: equal in exact arithmetic, the float
+                                  result may differ in its last bits
+    ci/mutation/cuda_only.txt     differs only with CUDA tensors (a launch, a stream, pinned memory):
+                                  the mutation run, on CPUs, cannot reach it
 """
 
 from __future__ import annotations
@@ -38,7 +50,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "ci" / "mutation"
-EQUIVALENT = OUT / "equivalent.txt"
+# (key, file, what it means): the reviewed categories of surviving mutants; only "equivalent" leaves
+# the score's denominator, the others are survivors whose difference was judged harmless
+REVIEWED = (("equivalent", "equivalent.txt", "equivalent"),
+            ("another_plan", "another_plan.txt", "same objective, another plan"),
+            ("rounding", "rounding.txt", "same value, another rounding"),
+            ("cuda_only", "cuda_only.txt", "differs only with CUDA tensors"))
+CATEGORY = {key: words for key, _, words in REVIEWED}
 ENV = {"CI": "1", "HYPOTHESIS_PROFILE": "ci", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "OPENBLAS_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
 # mutmut's exit-code verdicts, folded: detected = killed, timeout (a hung suite fails CI too)
@@ -100,12 +118,12 @@ def fingerprint(diff: str) -> str:
     return hashlib.sha256("\n".join(changed_lines(diff)).encode()).hexdigest()[:10]
 
 
-def read_equivalents() -> dict:
-    """{name: (fingerprint, reason)}."""
+def read_list(path: Path) -> dict:
+    """{name: (fingerprint, reason)} of one reviewed list."""
     out = {}
-    if not EQUIVALENT.exists():
+    if not path.exists():
         return out
-    for line in EQUIVALENT.read_text().splitlines():
+    for line in path.read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -114,75 +132,178 @@ def read_equivalents() -> dict:
     return out
 
 
-def check_equivalent(name: str, equivalents: dict) -> str | None:
-    """None when `name` is a reviewed equivalent whose diff still matches, else why not."""
-    if name not in equivalents:
-        return "not on the equivalent list"
-    want = equivalents[name][0]
+def read_reviewed() -> dict:
+    """{name: (category, fingerprint, reason)} over every reviewed list; a name on two lists is an error."""
+    out = {}
+    for key, file, _ in REVIEWED:
+        for name, (fp, reason) in read_list(OUT / file).items():
+            if name in out:
+                raise SystemExit(f"{name} is on ci/mutation/{file} and on the {out[name][0]} list: one category each")
+            out[name] = (key, fp, reason)
+    return out
+
+
+def check_reviewed(name: str, reviewed: dict) -> tuple:
+    """(category, None) when `name` is on a reviewed list and its diff still matches, else (None, why not)."""
+    if name not in reviewed:
+        return None, "not on a reviewed list"
+    key, want, _ = reviewed[name]
     got = fingerprint(diff_of(name))
-    return None if got == want else f"on the equivalent list with fingerprint {want}, but its diff now has {got}"
+    if got != want:
+        return None, f"on the {CATEGORY[key]} list with fingerprint {want}, but its diff now has {got}"
+    return key, None
 
 
 # --- summary --------------------------------------------------------------------------------------
 
-def summary(seconds: float | None):
+COUNTS = ("mutants", "killed", "timeout", "survived", "no_tests", *(k for k, _, _ in REVIEWED), "not_checked")
+
+
+def module_of(path: str) -> str:
+    return path[:-len(".py")].replace("/", ".")
+
+
+def matches(name: str, globs: list) -> bool:
+    return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def next_label(runs: dict) -> str:
+    k = 0
+    while True:
+        label, n = "", k
+        while True:
+            label = chr(ord("A") + n % 26) + label
+            n = n // 26 - 1
+            if n < 0:
+                break
+        if label not in runs:
+            return label
+        k += 1
+
+
+def legacy_open(path: str, row: dict, reviewed: dict) -> dict | None:
+    """The surviving mutants of a row written before rows listed them: every mutant of the file on a
+    reviewed list (all of that run's survivors were), when their number is the row's; else None."""
+    names = [n for n in reviewed if n.startswith(module_of(path) + ".x")]
+    kept = row.get("survived", 0) + row.get("no_tests", 0) + sum(row.get(k, 0) for k, _, _ in REVIEWED)
+    if row.get("survived", 0) or row.get("no_tests", 0) or len(names) != kept:
+        return None
+    return {n: "survived" for n in names}
+
+
+def counted(row: dict, reviewed: dict, survivors: list, stale: list) -> dict:
+    """The row's counts, its surviving mutants sorted into the reviewed categories as the lists stand."""
+    out = {k: row.get(k, 0) for k in COUNTS}
+    if row.get("open") is None:   # the file's mutants are no longer what that run judged: counts as they were
+        return out
+    for k in COUNTS[3:-1]:
+        out[k] = 0
+    for name, status in sorted(row["open"].items()):
+        key, why = check_reviewed(name, reviewed)
+        if key is not None:
+            out[key] += 1
+            continue
+        if name in reviewed:
+            stale.append(name)
+        out["no_tests" if status == "no tests" else "survived"] += 1
+        survivors.append({"name": name, "status": status, "why": why, "diff": changed_lines(diff_of(name))})
+    return out
+
+
+def score(row: dict) -> float | None:
+    checked = row["mutants"] - row["not_checked"] - row["equivalent"]
+    return round(100.0 * (row["killed"] + row["timeout"]) / checked, 2) if checked else None
+
+
+def summary(seconds: float | None, jobs: int, globs: list):
     in_root()
     files = mutated_files()
     data = verdicts()
-    equivalents = read_equivalents()
-    rows, survivors, equiv_rows, stale = [], [], [], []
-    totals = dict.fromkeys(("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "not_checked"), 0)
-    for path in files:
-        v = data.get(path, {})
-        row = dict.fromkeys(totals, 0)
-        row["mutants"] = len(v)
-        for name, status in v.items():
-            if status in DETECTED:
-                row["timeout" if status == "timeout" else "killed"] += 1
-            elif status == "not checked":
-                row["not_checked"] += 1
-            else:                                   # survived, no tests, skipped, ...
-                why = check_equivalent(name, equivalents)
-                if why is None:
-                    row["equivalent"] += 1
-                    equiv_rows.append((name, equivalents[name][1]))
-                    continue
-                if name in equivalents:
-                    stale.append(name)
-                row["no_tests" if status == "no tests" else "survived"] += 1
-                survivors.append({"name": name, "status": status, "diff": changed_lines(diff_of(name))})
-        checked = row["mutants"] - row["not_checked"] - row["equivalent"]
-        row["score"] = round(100.0 * (row["killed"] + row["timeout"]) / checked, 2) if checked else None
-        rows.append((path, row))
-        for k in totals:
-            totals[k] += row[k]
-    checked = totals["mutants"] - totals["not_checked"] - totals["equivalent"]
-    totals["score"] = round(100.0 * (totals["killed"] + totals["timeout"]) / checked, 2) if checked else None
-    totals["equivalent_share"] = round(100.0 * totals["equivalent"] / totals["mutants"], 2) if totals["mutants"] else 0
+    reviewed = read_reviewed()
+    previous = json.loads((OUT / "summary.json").read_text()) if (OUT / "summary.json").exists() else {}
+    runs = dict(previous.get("runs", {}))
+    old_rows = previous.get("files", {})
     rev = os.environ.get("MUTATION_COMMIT") or subprocess.run(  # a copy of the tree may carry stale git metadata
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = {"mutmut": "3.8.1", "commit": rev, "seconds": seconds, "files": dict(rows), "total": totals,
-           "survivors": survivors, "stale_equivalents": stale}
+    label = next_label(runs)
+    run = {"commit": rev, "jobs": jobs, "seconds": round(seconds) if seconds else None,
+           "command": f"MUTATION_JOBS={jobs} ci/mutation.sh" + "".join(f" '{g}'" for g in globs),
+           "where": os.environ.get("MUTATION_HOST", f"{os.cpu_count()}-core host"), "files": [], "again": {}}
+    rows, survivors, stale = {}, [], []
+    for path in files:
+        v = data.get(path, {})
+        mine = {n: s for n, s in v.items() if matches(n, globs) and s != "not checked"}
+        if v and len(mine) == len(v):                       # every mutant of the file judged by this run
+            row = {"mutants": len(v), "run": label, "not_checked": 0,
+                   "killed": sum(s in DETECTED and s != "timeout" for s in v.values()),
+                   "timeout": sum(s == "timeout" for s in v.values()),
+                   "open": {n: s for n, s in v.items() if s not in DETECTED}}
+            run["files"].append(path)
+        elif path in old_rows:                              # the last run that judged the file
+            row = dict(old_rows[path])
+            if "open" not in row:
+                row["open"] = legacy_open(path, row, reviewed)
+            if mine and row["open"] is not None:            # some of its mutants judged again now
+                for name, status in mine.items():
+                    was = row["open"].pop(name, None)
+                    if status in DETECTED:
+                        row["timeout" if status == "timeout" else "killed"] += was is not None
+                    else:
+                        row["open"][name] = status
+                        if was is None:
+                            row["killed"] -= 1              # killed then, survives now
+                row["again"] = {**row.get("again", {}), label: len(mine)}
+                run["again"][path] = len(mine)
+        else:                                               # never judged
+            row = {"mutants": len(v), "run": None, "not_checked": len(v), "killed": 0, "timeout": 0, "open": {}}
+        rows[path] = row
+    out_rows = {}
+    for path, row in rows.items():
+        c = counted(row, reviewed, survivors, stale)
+        out_rows[path] = {**c, "score": score(c), "run": row["run"], **({"again": row["again"]} if row.get("again")
+                                                                      else {}), "open": row["open"]}
+    total = {k: sum(r[k] for r in out_rows.values()) for k in COUNTS}
+    total["score"] = score(total)
+    total["equivalent_share"] = round(100.0 * total["equivalent"] / total["mutants"], 2) if total["mutants"] else 0
+    if run["files"] or run["again"]:
+        runs[label] = run
+    used = {r["run"] for r in out_rows.values()} | {k for r in out_rows.values() for k in r.get("again", {})}
+    runs = {k: v for k, v in runs.items() if k in used}
+    doc = {"mutmut": "3.8.1", "runs": runs, "files": out_rows, "total": total, "survivors": survivors,
+           "stale_reviews": stale}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "summary.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
 
-    cols = ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "not_checked", "score")
+    cols = COUNTS + ("score",)
     lines = ["# Mutation score of the pure core", "",
-             f"mutmut 3.8.1 over {', '.join(f'`{p}`' for p in files)}, tests of `[tool.mutmut]` in pyproject.toml "
-             f"(commit {rev}{f', {seconds / 60:.0f} min' if seconds else ''}; `ci/mutation.sh`).",
-             "score = (killed + timeout) / (mutants - equivalent - not checked); no tests counts as survived.", "",
-             "| file | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-    for path, row in rows + [("**total**", totals)]:
-        lines.append(f"| {path} | " + " | ".join("" if row[c] is None else str(row[c]) for c in cols) + " |")
-    lines += ["", f"Equivalent mutants: {totals['equivalent']} ({totals['equivalent_share']} % of all; "
-              "reviewed list: ci/mutation/equivalent.txt).", ""]
+             "mutmut 3.8.1 over the files of `[tool.mutmut] only_mutate`, the tests of `[tool.mutmut]` in pyproject.toml "
+             "(`ci/mutation.sh`). Each file's verdicts come from the last run that judged every mutant of it (a file "
+             "changed since is run again); `+X` marks mutants of it that run X judged again:", ""]
+    for k, r in sorted(runs.items()):
+        files_of = r["files"] if isinstance(r.get("files"), list) else [r.get("files", "")]
+        what = ", ".join(f"`{f.rsplit('/', 1)[-1]}`" if f.endswith(".py") else f for f in files_of)
+        again = "; again: " + ", ".join(f"{n} mutants of `{p.rsplit('/', 1)[-1]}`" for p, n in r["again"].items()) \
+            if r.get("again") else ""
+        took = f", {r['seconds'] / 60:.0f} min" if r.get("seconds") else ""
+        lines.append(f"- run {k}: commit {r['commit']}, `{r['command']}`" if r.get("command") else
+                     f"- run {k}: commit {r['commit']}, {r.get('where', '')}")
+        lines[-1] += (f" on a {r['where']}{took}" if r.get("command") else took) + f": {what}{again}"
+    lines += ["", "score = (killed + timeout) / (mutants - equivalent - not checked): every other survivor counts "
+              "against it, reviewed or not. Reviewed survivors (one category each; lists in ci/mutation/): "
+              + "; ".join(f"{k} = {w} (`{f}`)" for k, f, w in REVIEWED) + ".", "",
+              "| file | run | " + " | ".join(cols[:-1]) + " | score |", "|---|---|" + "---:|" * len(cols)]
+    for path, row in list(out_rows.items()) + [("**total**", total)]:
+        who = "" if path == "**total**" else (row["run"] or "not run") + "".join(f" +{k}" for k in row.get("again", {}))
+        lines.append(f"| {path} | {who} | " + " | ".join("" if row[c] is None else str(row[c]) for c in cols) + " |")
+    lines += ["", f"Equivalent mutants: {total['equivalent']} ({total['equivalent_share']} % of all); "
+              + ", ".join(f"{CATEGORY[k]}: {total[k]}" for k, _, _ in REVIEWED[1:]) + ".", ""]
     if stale:
-        lines += ["Stale equivalent entries (diff changed; review again): " + ", ".join(stale), ""]
+        lines += ["Stale reviewed entries (diff changed; review again): " + ", ".join(stale), ""]
     lines += [f"## Survivors ({len(survivors)})", ""]
-    for s in survivors:
-        lines.append(f"- `{s['name']}` ({s['status']}): " + " / ".join(f"`{d}`" for d in s["diff"]))
+    for sv in survivors:
+        lines.append(f"- `{sv['name']}` ({sv['status']}): " + " / ".join(f"`{d}`" for d in sv["diff"]))
     (OUT / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:len(rows) + 8]))
+    print("\n".join(lines[:lines.index("## Survivors " + f"({len(survivors)})")]))
 
 
 # --- sample ---------------------------------------------------------------------------------------
@@ -209,24 +330,28 @@ def sample(count: int, seed: str, jobs: int, patterns: list) -> int:
         print(f"mutation sample: mutmut run failed (exit {run.returncode})")
         return 2
     status = {k: s for v in verdicts().values() for k, s in v.items()}
-    equivalents = read_equivalents()
-    bad = []
+    reviewed = read_reviewed()
+    bad, by_category = [], dict.fromkeys(CATEGORY, 0)
     for name in picked:
         s = status.get(name, "not checked")
         if s in DETECTED:
             continue
-        why = "not run" if s == "not checked" else check_equivalent(name, equivalents)
-        if why is not None:
+        key, why = (None, "not run") if s == "not checked" else check_reviewed(name, reviewed)
+        if key is None:
             bad.append((name, s, why))
+        else:
+            by_category[key] += 1
     detected = sum(status.get(n) in DETECTED for n in picked)
-    print(f"mutation sample: {detected} detected, {len(picked) - detected - len(bad)} reviewed equivalents, "
-          f"{len(bad)} unexplained, in {time.time() - t0:.0f} s")
+    print(f"mutation sample: {detected} detected, "
+          + ", ".join(f"{n} reviewed as {CATEGORY[k]}" for k, n in by_category.items() if n)
+          + f"{', ' if any(by_category.values()) else ''}{len(bad)} unexplained, in {time.time() - t0:.0f} s")
     for name, s, why in bad:
         print(f"\n{name}: {s} ({why})\n{diff_of(name) if s != 'not checked' else ''}")
     if bad:
         print("\nA surviving mutant is a behaviour no test pins down: add a test that kills it, or, if it is "
               "equivalent, add it to ci/mutation/equivalent.txt as `NAME FINGERPRINT reason` "
-              "(python ci/mutation_sample.py show NAME prints the fingerprint).")
+              "(python ci/mutation_sample.py show NAME prints the fingerprint); the other reviewed lists "
+              "(ci/mutation_sample.py --help) hold survivors that an input tells apart, judged harmless.")
     return 1 if bad else 0
 
 
@@ -240,6 +365,8 @@ def main(argv=None) -> int:
     s.add_argument("patterns", nargs="*", metavar="GLOB", help="draw only from mutants whose names match")
     m = sub.add_parser("summary")
     m.add_argument("--seconds", type=float, default=None)
+    m.add_argument("--jobs", type=int, default=int(os.environ.get("MUTATION_JOBS", 1)))
+    m.add_argument("globs", nargs="*", metavar="GLOB", help="the mutmut name globs of the run (none: every mutant)")
     sh = sub.add_parser("show")
     sh.add_argument("names", nargs="+")
     sub.add_parser("list")
@@ -249,7 +376,7 @@ def main(argv=None) -> int:
                                         text=True).stdout.strip() or "0"
         return sample(a.count, seed, a.jobs, a.patterns)
     if a.cmd == "summary":
-        summary(a.seconds)
+        summary(a.seconds, a.jobs, a.globs)
         return 0
     in_root()
     if a.cmd == "list":
