@@ -9,8 +9,8 @@ goes on).
 
 Fitting. Every `every` windows, right before a window's exchange and on the thread that exchanges,
 the ranks of the fit group all-gather the rows of the last `every` complete windows in one
-fixed-size int64 frame whose header carries every rank's settings and active weights (a difference
-raises the same ValueError on every rank, naming the field and the values). Every rank sorts the
+fixed-size int64 frame, after a fixed-size header of every rank's settings and active weights (a
+difference raises the same ValueError on every rank, naming the field and the values). Every rank sorts the
 pooled rows by a stable key and fits the same non-negative least squares (`fit_rows`), whose float
 operations do not depend on the platform: exactly rounded sums (`math.fsum`) of elementwise
 products and a fixed-order elimination in Python floats, no BLAS. The pool holds the rows of the
@@ -19,7 +19,8 @@ decision is a pure function of the gathered frames and of the state every rank s
 rank switches its cost model before the same window.
 
 Deciding. "off": nothing measured. "shadow": measure, fit, report the predicted gain, never switch.
-"on": switch when the fit's R^2 >= min_r2 and its predicted gain >= min_gain. Within a regime the
+"on": switch when the fit's R^2 >= min_r2 and its predicted gain >= min_gain (and the predicted
+spread drops by at least MIN_SPREAD_DROP, 0.1 % of a step: below that both spreads are noise). Within a regime the
 active weights are refined only when the pool holds at least twice the rows of the fit they came
 from (and the refined fit passes both thresholds again), so the weights settle instead of flapping.
 A new regime starts when the step time drifts: the last fit's RMS residual on two consecutive
@@ -76,6 +77,9 @@ _ROW = 4 + len(FEATURES) + 1
 _SETTINGS = ("mode", "every", "window_size", "lag", "history", "frame_rows", "min_r2", "min_gain", "drift")
 _HEADER = len(_SETTINGS) + len(FEATURES) + 1
 MIN_ROWS = len(FEATURES) + 2  # the weights, an intercept and one residual
+# a switch must also lower the predicted max/mean spread by this much (0.1 % of a step): below it the
+# relative gain measures the fit's own noise (both spreads at the noise floor)
+MIN_SPREAD_DROP = 1e-3
 RECORD = " | record "  # what precedes the JSON record of a fit in its log line
 
 
@@ -128,25 +132,30 @@ def _solve(g: list, b: list) -> list:
 
 
 def nnls(a: np.ndarray, y: np.ndarray, *, max_iter: int | None = None) -> np.ndarray:
-    """min ||a x - y|| subject to x >= 0 (Lawson-Hanson active set on the normal equations). The Gram
-    matrix and a^T y are exactly rounded sums, the solves run in Python floats in a fixed order: the
-    same bits on every rank and platform for the same input."""
+    """min ||a x - y|| subject to x >= 0 (Lawson-Hanson active set on the normal equations, columns
+    scaled to unit norm). The Gram matrix and a^T y are exactly rounded sums, the solves run in
+    Python floats in a fixed order: the same bits on every rank and platform for the same rows, in
+    whatever order they come."""
     a = np.ascontiguousarray(a, dtype=np.float64)
     y = np.ascontiguousarray(y, dtype=np.float64)
     m, n = a.shape
     cols = [a[:, i].copy() for i in range(n)]
-    g = [[_dot(cols[i], cols[j]) for j in range(n)] for i in range(n)]
-    b = [_dot(cols[i], y) for i in range(n)]
-    norm1 = max((math.fsum(np.abs(c).tolist()) for c in cols), default=0.0)
-    tol = 10 * np.finfo(np.float64).eps * max(norm1, 1.0) * max(m, n, 1) * max(math.sqrt(_dot(y, y)), 1.0)
+    raw = [[_dot(cols[i], cols[j]) for j in range(n)] for i in range(n)]
+    d = [math.sqrt(raw[i][i]) if raw[i][i] > 0 else 1.0 for i in range(n)]
+    g = [[raw[i][j] / d[i] / d[j] for j in range(n)] for i in range(n)]
+    b = [_dot(cols[i], y) / d[i] for i in range(n)]
+    tol = 10 * np.finfo(np.float64).eps * max(m, n, 1) * max(math.sqrt(_dot(y, y)), 1e-300)
     x = [0.0] * n
     passive = [False] * n
+    blocked = [False] * n  # entered and left at once with x unchanged: not again until x moves
     for _ in range(max_iter or 3 * n + 10):
         w = [b[i] - math.fsum(g[i][j] * x[j] for j in range(n)) for i in range(n)]
-        candidates = [i for i in range(n) if not passive[i] and w[i] > tol]
+        candidates = [i for i in range(n) if not passive[i] and not blocked[i] and w[i] > tol]
         if not candidates:
             break
-        passive[max(candidates, key=lambda i: (w[i], -i))] = True
+        t = max(candidates, key=lambda i: (w[i], -i))
+        passive[t] = True
+        start = x
         while True:
             idx = [i for i in range(n) if passive[i]]
             if not idx:
@@ -164,7 +173,11 @@ def nnls(a: np.ndarray, y: np.ndarray, *, max_iter: int | None = None) -> np.nda
                 if not x[i] > 0:
                     passive[i] = False
                     x[i] = 0.0
-    return np.array(x, dtype=np.float64)
+        if x == start:
+            blocked[t] = True
+        else:
+            blocked = [False] * n
+    return np.array([x[i] / d[i] for i in range(n)], dtype=np.float64)
 
 
 def _combine(x: np.ndarray, coef, intercept: float) -> np.ndarray:
@@ -503,7 +516,7 @@ class Calibration:
         bits = (self._active_bits if self._active_bits is not None else np.zeros(len(FEATURES), dtype=np.int64))
         return np.array([*settings, *bits.tolist(), len(self.switches)], dtype=np.int64)
 
-    def _frame(self, first: int, stop: int) -> np.ndarray:
+    def frame(self, first: int, stop: int) -> np.ndarray:
         """This rank's fixed-size frame (int64 words: header, then rows as float64 bits)."""
         rows = np.zeros((self.frame_rows(), _ROW), dtype=np.float64)
         with self._lock:
@@ -548,7 +561,8 @@ class Calibration:
         span = self.due(j)
         if span is None:
             return None
-        frames = self._gather(self._frame(*span))
+        check_headers(self._gather(self.header()))  # fixed size whatever the settings: agree first
+        frames = self._gather(self.frame(*span))
         return self.fold(j, span[0], frames, cost)
 
     def fold(self, window: int, first: int, frames: np.ndarray, cost: CostModel) -> CostModel | None:
@@ -617,7 +631,7 @@ class Calibration:
         pred_fit = fit.predict(pool[:, 4:4 + nfeat])
         pred_cur, _ = scaled_prediction(pool, cost)
         s_cur, s_fit, gain = _gain(pool, pred_cur, pred_fit)
-        verdict = self._verdict(fit, gain, len(pool))
+        verdict = self._verdict(fit, s_cur, s_fit, gain, len(pool))
         new = None
         if verdict is None and self.mode == "on":
             try:
@@ -656,7 +670,7 @@ class Calibration:
     def _spreads(rows, fit, cost):
         return _gain(rows, scaled_prediction(rows, cost)[0], fit.predict(rows[:, 4:4 + len(FEATURES)]))
 
-    def _verdict(self, fit: RowFit, gain: float, pooled: int) -> str | None:
+    def _verdict(self, fit: RowFit, s_cur: float, s_fit: float, gain: float, pooled: int) -> str | None:
         """Why the fit does not switch, or None when it passes."""
         values = [*fit.weights.values(), fit.intercept, fit.r2, gain]
         if not all(math.isfinite(v) for v in values):
@@ -665,6 +679,9 @@ class Calibration:
             return f"R^2 {fit.r2:.3f} < min_r2 {self.min_r2}"
         if gain < self.min_gain:
             return f"predicted gain {gain:.3f} < min_gain {self.min_gain}"
+        if s_cur - s_fit < MIN_SPREAD_DROP:
+            return (f"predicted spread {s_cur:.4f} -> {s_fit:.4f}: a drop under {MIN_SPREAD_DROP} (both at the noise "
+                    f"floor)")
         if self._switch_rows is not None and pooled < 2 * self._switch_rows:
             return (f"active weights (window {self._active_since}) hold: refined only once the pool has twice the "
                     f"{self._switch_rows} rows they were fitted on ({pooled} now)")

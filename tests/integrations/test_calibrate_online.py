@@ -122,8 +122,9 @@ def test_a_rank_that_stops_timing_holds_the_weights_on_every_rank():
     held = [r for r in me["records"] if r["window"] >= 9]
     assert held and all(r["reason"] == f"rank 2 of the fit group sent 0 step times for windows {r['first']}.."
                         f"{r['window'] - 1} (every rank must time its steps); the active weights hold" for r in held)
-    assert all(not r["switched"] for r in held) and me["switches"] == [3, 6]
-    assert held[-1]["active"] == me["records"][1]["active"]
+    assert all(not r["switched"] for r in held) and me["switches"] and max(me["switches"]) < 9
+    good = [r for r in me["records"] if r["window"] < 9][-1]
+    assert all(r["active"] == good["active"] for r in held), "the last good weights hold"
 
 
 @pytest.mark.parametrize("opts", [dict(vision_dp=2, language_dp=2, overlap=True, mode="on"),
