@@ -87,7 +87,7 @@ def _buffer(rank, opts, modules, source):
         module = next(m for m, ranks in modules.items() if rank in ranks[0])
         buf = wrap(source, config=_config(opts, modules), module=module, grids=modules,
                    micro_batch_size=opts["micro_batch"], fixed_width_padding=True,
-                   timeout=datetime.timedelta(seconds=60))
+                   timeout=datetime.timedelta(seconds=120))
         return buf, module, buf._ex.grid.rank, buf._ex.grid.dp, buf.calibration
     if opts["build"] == "bridge":  # the Megatron-Bridge drop-in, one module, fit on its DP group
         import functools
@@ -104,7 +104,7 @@ def _buffer(rank, opts, modules, source):
         cal = enable_calibration(buf, opts["mode"])
         cal.every, cal.min_r2, cal.min_gain, cal.history = opts["every"], opts["min_r2"], opts["min_gain"], opts["history"]
         return buf, "language", dp_rank, dp_size, cal
-    groups = build_groups(modules, overlap=False, timeout=datetime.timedelta(seconds=60))
+    groups = build_groups(modules, overlap=False, timeout=datetime.timedelta(seconds=120))
     grid = groups.grid
     cost = COST if opts["cost"] == "default" else with_weights(COST, {f: opts["true"].get(f, 0.0) for f in FEATURES})
     ex = WindowExchanger(grid=grid, micro_batch_size=opts["micro_batch"], cost=cost, window_size=opts["window"],
@@ -176,11 +176,11 @@ def run(rank, world, opts) -> dict:
     return dict(everyone=everyone, measured=measured, hidden=hidden)
 
 
-def launch(opts: dict, timeout: float = 120.0) -> dict:
+def launch(opts: dict, timeout: float = 240.0) -> dict:
     from reorder.cli.processes import run_processes
 
     opts = dict(DEFAULTS, **opts)
-    return run_processes(run, opts["vision_dp"] + opts["language_dp"], (opts,), timeout=timeout)
+    return run_processes(run, opts["vision_dp"] + opts["language_dp"], (opts,), timeout=timeout, pg_timeout=180)
 
 
 DEFAULTS = dict(vision_dp=0, language_dp=4, micro_batch=16, window=2, micro_batches=32, seq_len=512, seed=3,

@@ -39,6 +39,10 @@ Input: a CSV file (header row) or JSON lines (one object per line), one sample p
   tokens        optional: real (unpadded) text tokens, for --language-weight > 0
 The first of cost, patches, image_sizes present is used (or --field). Other columns are ignored.
 Blank lines and lines starting with '#' are skipped. Or use --mix NAME for a synthetic stream.
+
+--calibrate LOG reports instead the online cost calibration of a logged run (megatron_mimo_reorder_calibrate
+shadow or on; rank 0's INFO lines): every fit's weights, R^2, predicted and measured spread of per-rank step
+time and decision, and each switch with the spread measured before and after it.
 """
 
 FIELDS = ("cost", "patches", "image_sizes")
@@ -76,6 +80,9 @@ def add_args(p: argparse.ArgumentParser):
     p.add_argument("--plot", metavar="FILE.png", help="straggler time saved and spread distribution per balancer "
                    "(.png, .pdf or .svg)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-': stdout)")
+    p.add_argument("--calibrate", metavar="LOG", help="instead of a replay: the online cost calibration of a "
+                   "logged run (rank 0's 'reorder calibration' INFO lines), fit by fit: weights, R^2, predicted vs "
+                   "measured spread of per-rank step time, and each switch with the spread before and after it")
     p.add_argument("--progress-after", type=float, default=2.0, help=argparse.SUPPRESS)  # seconds before the bar
 
 
@@ -478,6 +485,12 @@ def _progress(args, total: int):
 def run(args) -> dict:
     from reorder.plan.grid import canonical_grid
 
+    if getattr(args, "calibrate", None):
+        if args.input is not None or args.mix is not None:
+            raise CliError("--calibrate LOG reports a logged run's calibration: give no input FILE or --mix with it")
+        from reorder.cli import calibration_log
+
+        return calibration_log.run(args)
     balancers = _validate(args)
     dps = layout_from_args(args)
     check_layout(dps)

@@ -23,10 +23,14 @@ Deciding. "off": nothing measured. "shadow": measure, fit, report the predicted 
 spread drops by at least MIN_SPREAD_DROP, 0.1 % of a step: below that both spreads are noise). Within a regime the
 active weights are refined only when the pool holds at least twice the rows of the fit they came
 from (and the refined fit passes both thresholds again), so the weights settle instead of flapping.
-A new regime starts when the step time drifts: the last fit's RMS residual on two consecutive
-blocks of new rows exceeds (1 + drift) x its RMS residual on the pool (one block alone is a
-suspicion, reported; its rows join the pool if the next block clears it). The pool then restarts
-from those two blocks and the re-fit switches when it passes both thresholds.
+A new regime starts when the step time drifts: the last fit (of a pool of two blocks or more)
+misses two consecutive blocks of new rows, its RMS residual on each above (1 + drift) x the residual
+it expects on new rows (its noise estimate, inflated for its own error). One block alone is a
+suspicion, reported; its rows join the pool if the next block clears it. On the second the pool
+restarts from the new rows (and the suspected ones, where a fit of the new rows predicts them
+better than the last fit), provided the last fit also misses the new rows by (1 + drift) x their own
+noise (from their own fit: a check independent of the last fit's noise estimate), and the re-fit
+switches when it passes both thresholds.
 
 Handled together, never raised alone: a refused time (that rank's row is missing), a rank of the
 fit group that sent no time for the fit's windows (the fit holds the active weights and names the
@@ -597,29 +601,39 @@ class Calibration:
                               reason=f"rows={len(rows)} for {span}: too few to fit (at least {MIN_ROWS}: "
                                      f"{nfeat} weights, an intercept and one residual); the active weights hold")
         feats = rows[:, 4:4 + nfeat]
-        drift = False
-        if self._pending is not None:  # the block after a suspicion: confirm on both, against their own noise
-            both = sort_rows(np.concatenate([self._pending, rows]))
-            own = fit_rows(both[:, 4:4 + nfeat], both[:, -1])
-            noise = own.rms * math.sqrt(own.rows / max(own.rows - own.params, 1))
-            seen = _rms(both[:, -1] - self._ref.predict(both[:, 4:4 + nfeat]))
-            expected = max(noise * math.sqrt(1.0 + self._ref.params / max(self._ref.rows, 1)), self._tiny(both))
-            if seen > (1.0 + self.drift) * expected:
-                self._pool = [self._pending]
-                self._switch_rows = None
-                drift = True
-        elif self._ref is not None and len(self._pool) >= 2:  # a reference of two blocks or more
-            seen = _rms(rows[:, -1] - self._ref.predict(feats))
+        drift, dropped = False, False
+        seen = None
+        if self._ref is not None and (self._pending is not None or len(self._pool) >= 2):
+            seen = _rms(rows[:, -1] - self._ref.predict(feats))  # the last fit on new rows (of 2+ blocks)
             expected = max(self._ref.expected_rms, self._tiny(rows))
-            if seen > (1.0 + self.drift) * expected:
-                self._pending = rows
-                fit = fit_rows(feats, rows[:, -1])
-                return self._finish(window, first, rows, fit, None, cost, outcome, pooled=len(rows),
-                                    s=self._spreads(rows, fit, cost),
-                                    reason=f"drift suspected: the last fit's RMS residual on {span} is {seen:.4g} ms "
-                                           f"> (1 + drift) x the {expected:.4g} ms expected; a re-fit follows if "
-                                           f"the next windows confirm it")
-        note = "drift confirmed (pool restarted); " if drift else ""
+        own = None
+        if self._pending is not None and seen > (1.0 + self.drift) * expected:
+            # the new rows' own noise, independent of the last fit's estimate of it
+            own = fit_rows(feats, rows[:, -1])
+            noise = own.rms * math.sqrt(own.rows / max(own.rows - own.params, 1))
+            if not seen > (1.0 + self.drift) * max(noise * math.sqrt(1.0 + self._ref.params / max(self._ref.rows, 1)),
+                                                   self._tiny(rows)):
+                own = None
+        if own is not None:
+            # confirmed: a new regime from these rows on, from the suspected ones too where the new rows'
+            # fit predicts them better than the last fit does
+            old = self._pending[:, 4:4 + nfeat]
+            dropped = not (_rms(self._pending[:, -1] - own.predict(old)) * (1.0 + self.drift)
+                           < _rms(self._pending[:, -1] - self._ref.predict(old)))
+            self._pool = [] if dropped else [self._pending]
+            self._pending = None
+            self._switch_rows = None
+            drift = True
+        elif self._pending is None and seen is not None and seen > (1.0 + self.drift) * expected:
+            self._pending = rows
+            fit = fit_rows(feats, rows[:, -1])
+            return self._finish(window, first, rows, fit, None, cost, outcome, pooled=len(rows),
+                                s=self._spreads(rows, fit, cost),
+                                reason=f"drift suspected: the last fit's RMS residual on {span} is {seen:.4g} ms > "
+                                       f"(1 + drift) x the {expected:.4g} ms expected; a re-fit follows if the next "
+                                       f"windows confirm it")
+        note = ("drift confirmed (pool restarted" + (" without the suspected windows, closer to the last fit"
+                                                     if dropped else "") + "); ") if drift else ""
         if not drift and self._pending is not None:
             self._pool.append(self._pending)  # a false alarm: those rows are good
             note = "drift not confirmed (the suspected windows join the pool); "
