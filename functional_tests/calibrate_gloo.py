@@ -85,9 +85,12 @@ def _buffer(rank, opts, modules, source):
         from reorder.integrations.megatron import wrap
 
         module = next(m for m, ranks in modules.items() if rank in ranks[0])
+        from reorder.integrations.calibrate import enable_calibration
+
         buf = wrap(source, config=_config(opts, modules), module=module, grids=modules,
                    micro_batch_size=opts["micro_batch"], fixed_width_padding=True,
                    timeout=datetime.timedelta(seconds=120))
+        assert enable_calibration(buf, _config(opts, modules)) is buf.calibration  # wrap's, not a second one
         return buf, module, buf._ex.grid.rank, buf._ex.grid.dp, buf.calibration
     if opts["build"] == "bridge":  # the Megatron-Bridge drop-in, one module, fit on its DP group
         import functools

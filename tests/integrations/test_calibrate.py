@@ -50,3 +50,69 @@ def test_bad_shapes_are_refused():
         fit_cost_weights(np.zeros((3, 2)), np.zeros(3))
     with pytest.raises(ValueError, match="3 measurements cannot determine 6 parameters"):
         fit_cost_weights(np.zeros((3, 5)), np.zeros(3))
+
+
+# ---- the online calibration's config fields and flags ------------------------------------------------
+
+class TestCalibrationConfig:
+    def test_fields_flags_and_settings(self):
+        import argparse
+
+        from reorder.integrations.config import ReorderConfig, add_reorder_args
+
+        d = ReorderConfig()
+        assert d.calibration_settings() == dict(mode="off", window_size=1, every=4, min_r2=0.8, min_gain=0.05,
+                                                drift=0.25, history=8)
+        args = add_reorder_args(argparse.ArgumentParser()).parse_args(
+            ["--reorder-calibrate", "on", "--reorder-calibrate-every", "3", "--reorder-calibrate-min-r2", "0.9",
+             "--reorder-calibrate-min-gain", "0.1", "--reorder-calibrate-drift", "0.5",
+             "--reorder-calibrate-history", "16", "--reorder-window-size", "2"])
+        cfg = ReorderConfig.from_args(args)
+        assert cfg.calibration_settings() == dict(mode="on", window_size=2, every=3, min_r2=0.9, min_gain=0.1,
+                                                  drift=0.5, history=16)
+        from reorder.runtime.calibration import Calibration
+
+        cal = Calibration(**cfg.calibration_settings())  # every setting is one Calibration takes
+        assert (cal.mode, cal.every, cal.history, cal.window_size) == ("on", 3, 16, 2)
+
+    def test_bad_values_name_the_field(self):
+        from reorder.integrations.config import ReorderConfig
+
+        msgs = []
+        for field, value in (("megatron_mimo_reorder_calibrate", "auto"), ("megatron_mimo_reorder_calibrate_every", 0),
+                             ("megatron_mimo_reorder_calibrate_history", 0),
+                             ("megatron_mimo_reorder_calibrate_min_r2", 1.5),
+                             ("megatron_mimo_reorder_calibrate_min_gain", 1.0),
+                             ("megatron_mimo_reorder_calibrate_drift", float("nan"))):
+            with pytest.raises(ValueError) as e:
+                ReorderConfig(**{field: value})
+            msgs.append(str(e.value))
+        assert msgs == [
+            "megatron_mimo_reorder_calibrate='auto': must be one of off, shadow, on",
+            "megatron_mimo_reorder_calibrate_every=0: must be an integer >= 1",
+            "megatron_mimo_reorder_calibrate_history=0: must be an integer >= 1",
+            "megatron_mimo_reorder_calibrate_min_r2=1.5: must be a finite number >= 0 and <= 1",
+            "megatron_mimo_reorder_calibrate_min_gain=1.0: must be a finite number >= 0 and < 1",
+            "megatron_mimo_reorder_calibrate_drift=nan: must be a finite number >= 0"]
+
+    def test_off_and_reordering_off_attach_nothing(self):
+        from reorder.integrations.calibrate import enable_calibration
+        from reorder.integrations.config import ReorderConfig
+        from reorder.runtime.buffer import PassThroughBuffer
+
+        buf = PassThroughBuffer(iter([]), micro_batch_size=4)
+        assert enable_calibration(buf, ReorderConfig(megatron_mimo_reorder_calibrate="on")) is None
+        assert enable_calibration(buf, "on") is None and buf.calibration is None
+        assert not buf.record_step_ms(1.0)
+        with buf.timed_step():
+            pass
+
+    def test_the_drop_in_refuses_calibration_with_a_custom_cost(self):
+        from reorder.integrations import bridge as br
+        from reorder.integrations.calibrate import enable_calibration
+
+        buf = br.ReorderingBuffer(iter([]), dp_rank=0, dp_size=1, n_groups=1, cost_of=lambda flat: 1.0,
+                                  dp_group_gloo=None, dp_group_nccl=None, overlap=False)
+        with pytest.raises(ValueError, match="give cost_of as a functools.partial of sample_cost"):
+            enable_calibration(buf, "on")
+        assert not buf.record_step_ms(1.0) and buf.calibration is None
