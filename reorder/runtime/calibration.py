@@ -144,7 +144,10 @@ def nnls(a: np.ndarray, y: np.ndarray, *, max_iter: int | None = None) -> np.nda
     y = np.ascontiguousarray(y, dtype=np.float64)
     m, n = a.shape
     cols = [a[:, i].copy() for i in range(n)]
-    raw = [[_dot(cols[i], cols[j]) for j in range(n)] for i in range(n)]
+    raw = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i, n):
+            raw[i][j] = raw[j][i] = _dot(cols[i], cols[j])
     d = [math.sqrt(raw[i][i]) if raw[i][i] > 0 else 1.0 for i in range(n)]
     g = [[raw[i][j] / d[i] / d[j] for j in range(n)] for i in range(n)]
     b = [_dot(cols[i], y) / d[i] for i in range(n)]
@@ -259,9 +262,10 @@ def _steps(rows: np.ndarray) -> list:
     """Index arrays of the rows of each step (window, slot, tag), in key order."""
     if not len(rows):
         return []
-    _, step = np.unique(rows[:, 1:4], axis=0, return_inverse=True)
-    step = step.reshape(-1)
-    return [np.flatnonzero(step == s) for s in range(int(step.max()) + 1)]
+    order = np.lexsort((rows[:, 3], rows[:, 2], rows[:, 1]))
+    keys = rows[order, 1:4]
+    cuts = np.flatnonzero((keys[1:] != keys[:-1]).any(axis=1)) + 1
+    return np.split(order, cuts)
 
 
 def predicted_spread(rows: np.ndarray, pred: np.ndarray) -> float:
@@ -639,7 +643,7 @@ class Calibration:
             note = "drift not confirmed (the suspected windows join the pool); "
         self._pending = None
         self._pool = (self._pool + [rows])[-self.history:]
-        pool = sort_rows(np.concatenate(self._pool))
+        pool = np.concatenate(self._pool)  # sorted: sorted blocks of growing windows
         fit = fit_rows(pool[:, 4:4 + nfeat], pool[:, -1])
         self._ref = fit
         pred_fit = fit.predict(pool[:, 4:4 + nfeat])
