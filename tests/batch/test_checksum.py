@@ -401,3 +401,27 @@ def test_held_buffers_are_let_go_once_their_launches_are_done(monkeypatch):
     held._pending[0][0].done = True
     held.hold([], "s3")
     assert list(held._pending) == []
+
+
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_each_piece_is_cut_into_programs_of_chunk_words(chunk):
+    """A piece of w words takes ceil(w / chunk) programs, at words 0, chunk, 2 chunk, ...: here list
+    pieces of chunk - 1, chunk, chunk + 1 and 2 chunk bytes (1-byte words)."""
+    sizes = [chunk - 1, chunk, chunk + 1, 2 * chunk]
+    counts = SampleCounts.of(list_bytes=np.array(sizes))
+    buf = torch.arange(sum(sizes), dtype=torch.uint8)
+    table, programs = cs.launch_table([([buf], counts)], (ByteField("list", 1, 1),), [[True]], chunk)
+    assert programs == sum(-(-w // chunk) for w in sizes) == 6
+    starts = table[:2 * programs].reshape(programs, 2).tolist()
+    assert starts == \
+        [[q, at] for q, w in enumerate(sizes) for at in range(0, w, chunk)]
+
+
+def test_a_dense_buffer_smaller_than_its_samples_is_refused():
+    """A dense field of `pre` leading entries holds pre * n * unit bytes; one byte less is refused."""
+    counts = SampleCounts.of(rows=np.zeros(3, np.int64))
+    field = ByteField("dense", 2, 4)
+    cs.launch_table([([torch.zeros(24, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
+    with pytest.raises(ValueError) as e:
+        cs.launch_table([([torch.zeros(23, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
+    assert str(e.value) == "field 0 of part 0: its buffer holds 23 bytes, its counts need 24"

@@ -294,6 +294,17 @@ def test_on_a_device_every_count_is_made_there_and_copied_to_the_host_once(monke
     assert counting.square_patches(MODEL, ids).dtype == torch.int64 and len(copies) == 2
 
 
+def test_on_a_device_the_mask_is_counted_there_too(monkeypatch):
+    """A mask on the device is compared there; the stand-in host copy (zeros) then reads as a mask
+    that is not 0/1, which is reported from what was copied (one copy, no other)."""
+    copies = host_copies(monkeypatch)
+    monkeypatch.setattr(counting, "_mask_values_error", lambda mask: ValueError("not a 0/1 mask"))
+    ids = torch.zeros(2, 4, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="not a 0/1 mask"):
+        counting._counts_torch(MODEL, ids, torch.ones(2, 4, device="meta"), False, None)
+    assert copies == [((2, 4), torch.int64)]
+
+
 def test_on_a_device_a_host_grid_thw_is_read_where_it_is(monkeypatch):
     """grid_thw on the host while input_ids live on a device: it is not copied along, and comes back
     as int64 whatever its dtype."""

@@ -100,6 +100,7 @@ def test_vision_fields_three_keys_deep():
     batch["modality_inputs"] = {"vit": batch["modality_inputs"]["images"]["vit"]}
     layout, shard = describe(batch, 2, vision_start_token_id=VS)
     assert layout.grid_thw_path == ("modality_inputs", "vit", "grid_thw")
+    assert [f.path for f in layout.dense] == [("input_ids",), ("labels",)]    # the vision fields are not dense
     assert {f.path: f.per for f in layout.ragged} == {("modality_inputs", "vit", "hidden_states"): "row",
                                                       ("modality_inputs", "vit", "grid_thw"): "image"}
     assert shard.row_counts.tolist() == [2, 0]
@@ -216,9 +217,13 @@ def test_a_grid_thw_component_below_one_names_sample_and_image(images, data):
         thw[bad + 1:, 0] = 0   # later images may be bad too: the first is named
     vit["grid_thw"] = thw
     sample = next(s for s in range(len(images)) if sum(map(len, images[:s + 1])) > bad)
-    where = data.draw(st.sampled_from(["", "micro-batch 2 "]))
+    where = data.draw(st.sampled_from([None, "", "micro-batch 2 "]))
     with pytest.raises(LayoutError) as e:
-        describe(batch, len(images), vision_start_token_id=VS, where=where)
+        if where is None:                       # not given: nothing before "sample"
+            describe(batch, len(images), vision_start_token_id=VS)
+        else:
+            describe(batch, len(images), vision_start_token_id=VS, where=where)
+    where = where or ""
     assert str(e.value) == (f"{where}sample {sample} image {bad - sum(map(len, images[:sample]))}: grid_thw "
                             f"{thw[bad].tolist()} has a component < 1: every t, h, w must be an integer >= 1 "
                             "(field 'modality_inputs/images/vit/grid_thw')")
@@ -300,12 +305,13 @@ def test_signature_names_every_field():
     batch["position_ids"] = torch.zeros(3, b, 12, dtype=torch.int32)
     batch["text"] = {"mask": torch.zeros(b, 12, dtype=torch.bool)}
     batch["note"] = ["x", "y"]
+    batch["meta"] = {"ids": ["a", "b"]}
     layout, _ = describe(batch, b, vision_start_token_id=VS)
     v = "modality_inputs/images/vit"
     assert layout.signature() == ";".join([
         "input_ids:d0:int64:[12]", "labels:d0:int64:[12]", "position_ids:d1:int32:[3, 12]", "text/mask:d0:bool:[12]",
         f"{v}/hidden_states:row:float32:[3]", f"{v}/grid_thw:image:int64:[3]", f"{v}/sizes:image:int32:[2]",
-        "note:list"])
+        "note:list", "meta/ids:list"])
 
 
 def any_layout():
