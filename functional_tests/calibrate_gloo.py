@@ -104,8 +104,9 @@ def _buffer(rank, opts, modules, source):
         buf = br.ReorderingBuffer(source, dp_rank=dp_rank, dp_size=dp_size, n_groups=dp_size, cost_of=cost_of,
                                   dp_group_gloo=gloo, dp_group_nccl=data, overlap=False,
                                   window_size=opts["window"], balancer="balanced", image_count_of=br.image_count_of)
-        cal = enable_calibration(buf, opts["mode"])
-        cal.every, cal.min_r2, cal.min_gain, cal.history = opts["every"], opts["min_r2"], opts["min_gain"], opts["history"]
+        cal = enable_calibration(buf, opts["mode"], every=opts["every"], min_r2=opts["min_r2"],
+                                 min_gain=opts["min_gain"], drift=opts["drift"], history=opts["history"])
+        assert (cal.every, cal.history, cal.window_size) == (opts["every"], opts["history"], opts["window"])
         return buf, "language", dp_rank, dp_size, cal
     groups = build_groups(modules, overlap=False, timeout=datetime.timedelta(seconds=120))
     grid = groups.grid

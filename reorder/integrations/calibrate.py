@@ -89,12 +89,15 @@ def fit_cost_weights(features, times, *, names=FEATURES, intercept: bool = True)
                samples=len(y))
 
 
-def enable_calibration(buffer, config, *, group=None, collectives=None, tag: int = 0):
+def enable_calibration(buffer, config, *, group=None, collectives=None, tag: int = 0, **settings):
     """Attach online calibration (`reorder.runtime.calibration`) to a buffer `wrap` returned, or to the
     Megatron-Bridge drop-in (`reorder.integrations.bridge.ReorderingBuffer`), from a `ReorderConfig`
     (its `megatron_mimo_reorder_calibrate*` fields) or a mode string; call it on every rank before the
     first next(). Returns the `Calibration` (also `buffer.calibration`), or None with calibration off
     or reordering off (a PassThroughBuffer).
+
+    `settings` override the config's (`every=`, `min_r2=`, `min_gain=`, `drift=`, `history=`); the
+    window size is always the buffer's.
 
     `wrap` already attaches the config's calibration (on a group spanning every module): then, given
     neither `group` nor `collectives`, this returns that one.
@@ -112,11 +115,9 @@ def enable_calibration(buffer, config, *, group=None, collectives=None, tag: int
     bridge = isinstance(buffer, BridgeBuffer)
     if not isinstance(buffer, ReorderingBuffer) and not bridge:
         return None
-    if isinstance(config, str):
-        window = buffer._window_size if bridge else buffer._ex.window_size
-        settings = dict(mode=config, window_size=window)
-    else:
-        settings = config.calibration_settings()
+    window = buffer._window_size if bridge else buffer._ex.window_size
+    settings = {**(dict(mode=config) if isinstance(config, str) else config.calibration_settings()), **settings,
+                "window_size": window}
     if settings["mode"] == "off":
         return None
     if buffer.calibration is not None and group is None and collectives is None:
