@@ -112,11 +112,12 @@ switch table: the steps the old weights planned (measured, and predicted by the 
                      ["--calibrate", self.tmp / "missing.log"], ["--calibrate", empty, "--mix", "small"]):
             code, out, err = self.run_cli(*args)
             assert code == 2 and not out and "Traceback" not in err
-            msgs.append(err.replace(str(self.tmp) + "/", ""))
+            prog = err.index("simulate: error: ")  # the program's name follows how it was run
+            msgs.append(err[prog:].replace(str(self.tmp) + "/", ""))
         self.assertExpectedInline("".join(msgs), """\
-python -m reorder simulate: error: empty.log: no calibration records (lines with '| record {...}'); log the run at INFO on rank 0 with megatron_mimo_reorder_calibrate shadow or on
-python -m reorder simulate: error: cut.log:2: the calibration record is not valid JSON (Expecting ':' delimiter at column 82): is the line cut?
-python -m reorder simulate: error: old.log:1: the calibration record has no rows, pooled, weights, intercept, r2, predicted_spread_current, predicted_spread_fit, predicted_gain, measured_spread, switched, reason, active, outcome, drift, mode: written by another version of reorder?
-python -m reorder simulate: error: cannot read --calibrate missing.log: No such file or directory
-python -m reorder simulate: error: --calibrate LOG reports a logged run's calibration: give no input FILE or --mix with it
+simulate: error: empty.log: no calibration records (lines with '| record {...}'); log the run at INFO on rank 0 with megatron_mimo_reorder_calibrate shadow or on
+simulate: error: cut.log:2: the calibration record is not valid JSON (Expecting ':' delimiter at column 82): is the line cut?
+simulate: error: old.log:1: the calibration record has no rows, pooled, weights, intercept, r2, predicted_spread_current, predicted_spread_fit, predicted_gain, measured_spread, switched, reason, active, outcome, drift, mode: written by another version of reorder?
+simulate: error: cannot read --calibrate missing.log: No such file or directory
+simulate: error: --calibrate LOG reports a logged run's calibration: give no input FILE or --mix with it
 """)
