@@ -530,11 +530,10 @@ class ReorderingBuffer:
                              window_size=self._window_size, collectives=collectives,
                              device=self._device if grid.dp > 1 else None,
                              early_copy=not self._overlap and grid.dp > 1, **self._hooks)
-        self._inner = _Buffer(itertools.chain([first], self._data), ex, overlap=self._overlap)
-        if self._calibration is not None:
-            if self._calibration.collectives is None and collectives is not None:
-                self._calibration.collectives = collectives
-            self._inner.calibrate(self._calibration)
+        if self._calibration is not None and self._calibration.collectives is None and collectives is not None:
+            self._calibration.collectives = collectives
+        self._inner = _Buffer(itertools.chain([first], self._data), ex, overlap=self._overlap,
+                              calibration=self._calibration)
 
     def shutdown(self) -> None:
         """Stop the overlap worker (if any) and wait briefly for it to exit."""

@@ -325,18 +325,16 @@ def wrap(data_iterator, *, config, module: str, grids: Mapping, micro_batch_size
     rg = build_groups(dp_groups, device=dev, data_backend=data_backend, overlap=cfg.overlap, timeout=timeout)
     ex = WindowExchanger(grid=rg.grid, micro_batch_size=micro_batch_size, device=dev, **cfg.exchanger_settings(),
                          collectives=rg.side if cfg.overlap else rg.main, early_copy=not cfg.overlap)
-    buf = ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
-                           ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks)
-    if cfg.calibrate != "off":
-        _attach_calibration(buf, cfg, dp_groups, module, timeout)
-    return buf
+    cal = None if cfg.calibrate == "off" else _calibration(cfg, dp_groups, module, timeout)
+    return ReorderingBuffer(data_iterator, ex, overlap=cfg.overlap, log_every=log_every,
+                            ahead=cfg.overlap_ahead, log_module=module, log_all_ranks=log_all_ranks, calibration=cal)
 
 
-def _attach_calibration(buf, cfg: ReorderConfig, dp_groups: dict, module: str, timeout) -> None:
+def _calibration(cfg: ReorderConfig, dp_groups: dict, module: str, timeout):
     """The config's online calibration (`megatron_mimo_reorder_calibrate*`) on a fit group spanning
-    every rank of every module (a Gloo group of its own, created on every rank like the DP groups):
-    every module fits the same rows and switches at the same window, so the plans stay identical.
-    `tag` is the module's index in `grids`."""
+    every rank of every module (a Gloo group of its own, created on every rank like the DP groups,
+    before the overlap worker starts): every module fits the same rows and switches at the same
+    window, so the plans stay identical. `tag` is the module's index in `grids`."""
     import torch.distributed as dist
 
     from reorder.exchange.dist import TorchCollectives
@@ -344,8 +342,8 @@ def _attach_calibration(buf, cfg: ReorderConfig, dp_groups: dict, module: str, t
 
     ranks = sorted({r for groups in dp_groups.values() for g in groups for r in g})
     group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-    buf.calibrate(Calibration(collectives=TorchCollectives(group, group), tag=list(dp_groups).index(module),
-                              **cfg.calibration_settings()))
+    return Calibration(collectives=TorchCollectives(group, group), tag=list(dp_groups).index(module),
+                       **cfg.calibration_settings())
 
 
 def _micro_batch_size(micro_batch_size: int | None, global_batch: int | None) -> int:

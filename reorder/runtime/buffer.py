@@ -160,11 +160,13 @@ class ReorderingBuffer(_Consumption):
     log_every: log a metrics line every N windows (0 = never) to the logger "reorder" (INFO), on DP
     rank 0 only unless log_all_ranks; the line names `log_module` (the module) and the DP rank.
     `reports` keeps the last 1000 WindowReports; `last_report` the newest.
+    calibration: a `reorder.runtime.calibration.Calibration` to attach before any window is exchanged
+    (see `calibrate`); the reports are then CalibratedWindowReports.
     """
 
     def __init__(self, source, exchanger: WindowExchanger, *, overlap: bool = False, log_every: int = 0,
                  get_timeout: float = 1.0, ahead: int = 1, log_module: str | None = None,
-                 log_all_ranks: bool = False):
+                 log_all_ranks: bool = False, calibration=None):
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead={ahead!r} is invalid: windows prepared ahead of the consumer must be an integer >= 1")
         self._source = self._consumption(source, exchanger.micro_batch_size, exchanger.window_size)
@@ -183,6 +185,8 @@ class ReorderingBuffer(_Consumption):
         self._from_worker = False  # the ready micro-batches came from the worker (their slot is released)
         self.calibration = None  # reorder.runtime.calibration.Calibration, set by `calibrate`
         self._serving = (-1, 0)  # (window, slots) of the ready micro-batches
+        if calibration is not None:
+            self._attach(calibration)
         if overlap:
             check_overlap_allowed(exchanger.device)
             self._queue: queue.Queue = queue.Queue()
@@ -224,10 +228,18 @@ class ReorderingBuffer(_Consumption):
         return out, report
 
     def calibrate(self, calibration) -> None:
-        """Attach a `reorder.runtime.calibration.Calibration` (before the first next()); its lag
-        follows this buffer (1 window, ahead + 1 with overlap, one more on CUDA)."""
-        if self._begun:
-            raise RuntimeError("calibrate after iteration started: attach the calibration before the first next()")
+        """Attach a `reorder.runtime.calibration.Calibration` before any window is exchanged: before
+        the first next(), and, with overlap over an iterator (whose worker starts in the constructor),
+        through the constructor's `calibration=` instead. Every rank must count the same windows from
+        the first, or their fits would gather at different windows and hang."""
+        if self._begun or self._thread is not None:
+            raise RuntimeError("calibrate after windows may have been exchanged: attach the calibration before the "
+                               "first next(); with overlap over an iterator the worker starts in the constructor, "
+                               "so pass ReorderingBuffer(..., calibration=...) instead")
+        self._attach(calibration)
+
+    def _attach(self, calibration) -> None:
+        """Its lag follows this buffer (1 window, ahead + 1 with overlap, one more on CUDA)."""
         cuda = self._ex.device is not None and self._ex.device.type == "cuda"
         calibration.lag = (self.ahead + 1 if self.overlap else 1) + int(cuda)
         self.calibration = calibration

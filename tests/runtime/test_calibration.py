@@ -256,3 +256,42 @@ def test_bad_settings_are_refused(kw):
 def test_expected_rms_inflates_the_noise_estimate():
     fit = RowFit(weights=dict.fromkeys(FEATURES, 0.0), intercept=0.0, r2=1.0, rms=1.0, rows=24, params=6)
     assert fit.expected_rms == pytest.approx(math.sqrt(24 / 18) * math.sqrt(1 + 6 / 24))
+
+
+# ---- attached to a buffer ------------------------------------------------------------------------------
+
+def _buffer(overlap, n=12, **kw):
+    from reorder import Grid, WindowExchanger
+    from reorder.cli import synthetic as syn
+    from reorder.runtime.buffer import ReorderingBuffer
+
+    rng = np.random.default_rng(0)
+    source = [syn.make_global_batch(rng, 4, 64, features=2, mix="small", first_id=4 * k) for k in range(n)]
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, cost=cost, window_size=2)
+    return ReorderingBuffer(iter(source), ex, overlap=overlap, **kw)
+
+
+def test_overlap_takes_the_calibration_before_its_worker_starts():
+    """With overlap over an iterator the worker exchanges from the constructor on: a calibration
+    attached later could miss windows on some ranks (their fits would gather at different windows and
+    hang), so `calibrate` refuses and the constructor takes it."""
+    from reorder.runtime.buffer import CalibratedWindowReport
+
+    buf = _buffer(True)
+    with pytest.raises(RuntimeError, match="pass ReorderingBuffer"):
+        buf.calibrate(Calibration(mode="on", window_size=2, every=2))
+    buf.close()
+    cal = Calibration(mode="shadow", window_size=2, every=2, log_fits=False)
+    buf = _buffer(True, calibration=cal)
+    assert cal.lag == 2 and buf.calibration is cal
+    for mb in buf:
+        buf.record_step_ms(1.0 + float((mb["input_ids"] >= 0).sum()) * 1e-3)
+    assert all(isinstance(r, CalibratedWindowReport) for r in buf.reports)
+    fits = [r.calibration.window for r in buf.reports if r.calibration is not None]
+    assert fits == [r.window for r in cal.reports if r.window < 6] == [3, 5]  # stop = window - lag + 1 = 2, 4
+    sync = Calibration(mode="shadow", window_size=2, every=2, log_fits=False)
+    buf = _buffer(False)
+    buf.calibrate(sync)
+    list(buf)
+    assert sync.lag == 1 and [r.window for r in sync.reports] == [2, 4, 6]
