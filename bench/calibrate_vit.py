@@ -14,7 +14,8 @@ micro-batch runs forward + backward through the ViT-like encoder of `bench/e2e_v
    natural split, the plan of the default cost model (patches) and the plan of the fitted one. Each
    rank's share under each plan is run and timed. Per plan: the measured max/mean spread of the
    per-rank times (mean over windows) and the step time a data-parallel step would take (the max
-   over ranks, summed over windows); and the spread the fitted model predicts for it.
+   over ranks, summed over windows); and the spread the fitted model predicts for it. A fit whose
+   every weight is 0 (times no feature explains) plans nothing: its plan is the natural split.
 3. The gains of the fitted plan over the default one: predicted (from the fitted model's predictions
    of both plans' per-rank times) and measured (from the timed runs), of the summed step time and of
    the spread.
@@ -129,7 +130,10 @@ def main() -> None:
             rows.append(features_of(mb))
             ms.append(timer(mb))
     fit = fit_rows(np.array(rows), np.array(ms))
-    fitted = with_weights(DEFAULT, fit.weights)
+    try:
+        fitted = with_weights(DEFAULT, fit.weights)
+    except ValueError:  # every weight 0 (times that no feature explains): no cost to plan by, natural order
+        fitted = None
 
     plans = {"natural": None, "default cost": DEFAULT, "fitted cost": fitted}
     measured = {name: [] for name in plans}  # per window: per-rank ms
@@ -149,7 +153,7 @@ def main() -> None:
 
     res = {"commit": code_commit(), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
            "args": vars(args), "fit": {"weights": fit.weights, "intercept_ms": fit.intercept, "r2": fit.r2,
-                                       "rms_ms": fit.rms, "rows": fit.rows},
+                                       "rms_ms": fit.rms, "rows": fit.rows, "usable": fitted is not None},
            "default_weights": {f: float(getattr(DEFAULT, w)) for f, w in zip(FEATURES, (
                "encoder_weight", "encoder_quadratic_weight", "language_weight", "language_quadratic_weight",
                "encoder_image_weight"))},
