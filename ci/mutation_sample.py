@@ -168,17 +168,18 @@ def matches(name: str, globs: list) -> bool:
 
 
 def next_label(runs: dict) -> str:
-    k = 0
-    while True:
-        label, n = "", k
-        while True:
-            label = chr(ord("A") + n % 26) + label
-            n = n // 26 - 1
-            if n < 0:
-                break
-        if label not in runs:
-            return label
-        k += 1
+    """The label after the last one in use: A, B, ..., Z, AA, AB, ... (never one used before)."""
+    def number(label):
+        n = 0
+        for ch in label:
+            n = n * 26 + ord(ch) - ord("A") + 1
+        return n
+    n = max((number(k) for k in runs), default=0) + 1
+    label = ""
+    while n:
+        n, r = divmod(n - 1, 26)
+        label = chr(ord("A") + r) + label
+    return label
 
 
 def legacy_open(path: str, row: dict, reviewed: dict) -> dict | None:
@@ -210,9 +211,14 @@ def counted(row: dict, reviewed: dict, survivors: list, stale: list) -> dict:
     return out
 
 
-def score(row: dict) -> float | None:
-    checked = row["mutants"] - row["not_checked"] - row["equivalent"]
+def score(row: dict, leave_out=("equivalent",)) -> float | None:
+    checked = row["mutants"] - row["not_checked"] - sum(row[k] for k in leave_out)
     return round(100.0 * (row["killed"] + row["timeout"]) / checked, 2) if checked else None
+
+
+def cpu_score(row: dict) -> float | None:
+    """The score over what a run on CPUs can reach: the CUDA-only survivors left out too."""
+    return score(row, ("equivalent", "cuda_only"))
 
 
 def summary(seconds: float | None, jobs: int, globs: list):
@@ -229,7 +235,7 @@ def summary(seconds: float | None, jobs: int, globs: list):
     run = {"commit": rev, "jobs": jobs, "seconds": round(seconds) if seconds else None,
            "command": f"MUTATION_JOBS={jobs} ci/mutation.sh" + "".join(f" '{g}'" for g in globs),
            "where": os.environ.get("MUTATION_HOST", f"{os.cpu_count()}-core host"), "files": [], "again": {}}
-    rows, survivors, stale = {}, [], []
+    rows, survivors, stale, changed = {}, [], [], {}
     for path in files:
         v = data.get(path, {})
         mine = {n: s for n, s in v.items() if matches(n, globs) and s != "not checked"}
@@ -241,6 +247,8 @@ def summary(seconds: float | None, jobs: int, globs: list):
             run["files"].append(path)
         elif path in old_rows:                              # the last run that judged the file
             row = dict(old_rows[path])
+            if v and len(v) != row["mutants"]:
+                changed[path] = (len(v), row["mutants"])
             if "open" not in row:
                 row["open"] = legacy_open(path, row, reviewed)
             if mine and row["open"] is not None:            # some of its mutants judged again now
@@ -260,21 +268,21 @@ def summary(seconds: float | None, jobs: int, globs: list):
     out_rows = {}
     for path, row in rows.items():
         c = counted(row, reviewed, survivors, stale)
-        out_rows[path] = {**c, "score": score(c), "run": row["run"], **({"again": row["again"]} if row.get("again")
+        out_rows[path] = {**c, "score": score(c), "cpu_score": cpu_score(c), "run": row["run"], **({"again": row["again"]} if row.get("again")
                                                                       else {}), "open": row["open"]}
     total = {k: sum(r[k] for r in out_rows.values()) for k in COUNTS}
-    total["score"] = score(total)
+    total["score"], total["cpu_score"] = score(total), cpu_score(total)
     total["equivalent_share"] = round(100.0 * total["equivalent"] / total["mutants"], 2) if total["mutants"] else 0
     if run["files"] or run["again"]:
         runs[label] = run
     used = {r["run"] for r in out_rows.values()} | {k for r in out_rows.values() for k in r.get("again", {})}
     runs = {k: v for k, v in runs.items() if k in used}
     doc = {"mutmut": "3.8.1", "runs": runs, "files": out_rows, "total": total, "survivors": survivors,
-           "stale_reviews": stale}
+           "stale_reviews": stale, "changed_since": {p: {"now": a, "then": b} for p, (a, b) in changed.items()}}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "summary.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
 
-    cols = COUNTS + ("score",)
+    cols = COUNTS + ("score", "cpu_score")
     lines = ["# Mutation score of the pure core", "",
              "mutmut 3.8.1 over the files of `[tool.mutmut] only_mutate`, the tests of `[tool.mutmut]` in pyproject.toml "
              "(`ci/mutation.sh`). Each file's verdicts come from the last run that judged every mutant of it (a file "
@@ -285,18 +293,26 @@ def summary(seconds: float | None, jobs: int, globs: list):
         again = "; again: " + ", ".join(f"{n} mutants of `{p.rsplit('/', 1)[-1]}`" for p, n in r["again"].items()) \
             if r.get("again") else ""
         took = f", {r['seconds'] / 60:.0f} min" if r.get("seconds") else ""
-        lines.append(f"- run {k}: commit {r['commit']}, `{r['command']}`" if r.get("command") else
+        command = r.get("command", "")
+        if command.count("'") > 8:              # many mutant names: the first glob, and how many more
+            head, *rest = command.split(" '")
+            command = f"{head} '{rest[0]} ... ({len(rest) - 1} more names: summary.json)"
+        lines.append(f"- run {k}: commit {r['commit']}, `{command}`" if command else
                      f"- run {k}: commit {r['commit']}, {r.get('where', '')}")
         lines[-1] += (f" on a {r['where']}{took}" if r.get("command") else took) + f": {what}{again}"
     lines += ["", "score = (killed + timeout) / (mutants - equivalent - not checked): every other survivor counts "
               "against it, reviewed or not. Reviewed survivors (one category each; lists in ci/mutation/): "
-              + "; ".join(f"{k} = {w} (`{f}`)" for k, f, w in REVIEWED) + ".", "",
-              "| file | run | " + " | ".join(cols[:-1]) + " | score |", "|---|---|" + "---:|" * len(cols)]
+              + "; ".join(f"{k} = {w} (`{f}`)" for k, f, w in REVIEWED) + ". cpu_score leaves the CUDA-only "
+              "survivors out too: the score over what a run on CPUs can reach.", "",
+              "| file | run | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
     for path, row in list(out_rows.items()) + [("**total**", total)]:
         who = "" if path == "**total**" else (row["run"] or "not run") + "".join(f" +{k}" for k in row.get("again", {}))
         lines.append(f"| {path} | {who} | " + " | ".join("" if row[c] is None else str(row[c]) for c in cols) + " |")
     lines += ["", f"Equivalent mutants: {total['equivalent']} ({total['equivalent_share']} % of all); "
               + ", ".join(f"{CATEGORY[k]}: {total[k]}" for k, _, _ in REVIEWED[1:]) + ".", ""]
+    if changed:
+        lines += ["Changed since the run that judged them (its row stands until a run judges them again; "
+                  "mutants now / then): " + ", ".join(f"`{p}` {a} / {b}" for p, (a, b) in changed.items()) + ".", ""]
     if stale:
         lines += ["Stale reviewed entries (diff changed; review again): " + ", ".join(stale), ""]
     lines += [f"## Survivors ({len(survivors)})", ""]
