@@ -24,6 +24,7 @@ PY=${PYTHON:-.venv/bin/python}
 MUTMUT=${MUTMUT:-$(dirname "$PY")/mutmut}
 export CI=1 HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 [ $# -eq 0 ] && [ -z "${MUTATION_RESUME:-}" ] && rm -rf mutants
+"$PY" ci/mutation_sample.py prepare  # a file added to only_mutate since mutants/ was made gets mutated too
 start=$(date +%s)
 log=${MUTATION_LOG:-/tmp/mutmut-run.log}
 rc=0

@@ -14,6 +14,8 @@
         at which commit, produced it.
     python ci/mutation_sample.py show NAME...     the diff of each mutant and its fingerprint
     python ci/mutation_sample.py list             every mutant name (generates the mutants)
+    python ci/mutation_sample.py prepare          drop plain copies in mutants/ of files added to
+                                                  only_mutate since mutants/ was made (ci/mutation.sh)
 
 Mutant names are mutmut's: module path, then x_<function> or xǁ<Class>ǁ<method>, then __mutmut_<k>,
 e.g. reorder.plan.grid.xǁGridǁ__post_init____mutmut_3 or reorder.plan.orders.x__does_not_pay__mutmut_7.
@@ -73,8 +75,24 @@ def in_root():
     os.environ.update(ENV)
 
 
+def drop_unmutated_copies():
+    """mutmut mutates a source again only when it is newer than its copy in mutants/: a file added to
+    only_mutate after mutants/ was made keeps its plain copy there, and would never be mutated. Such
+    copies (no .meta beside them) are removed, so the next mutmut run mutates them, and with them
+    mutmut's map of which tests reach which function (made while they were plain, it maps none)."""
+    dropped = False
+    for path in mutated_files():
+        copy = Path("mutants") / path
+        if copy.exists() and not Path(f"{copy}.meta").exists():
+            copy.unlink()
+            dropped = True
+    if dropped:
+        Path("mutants/mutmut-stats.json").unlink(missing_ok=True)
+
+
 def generate():
     """Write mutants/ (mutmut's copy of the sources with every mutant in it) without running tests."""
+    drop_unmutated_copies()
     from mutmut.__main__ import CatchOutput, copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
     from mutmut.mutation.trampoline import set_mutant_under_test
     set_mutant_under_test("mutant_generation")
@@ -386,6 +404,8 @@ def main(argv=None) -> int:
     sh = sub.add_parser("show")
     sh.add_argument("names", nargs="+")
     sub.add_parser("list")
+    sub.add_parser("prepare", help="before a mutmut run in an existing mutants/: drop the plain copies of files "
+                                   "added to only_mutate since it was made, so that they are mutated")
     a = p.parse_args(argv)
     if a.cmd == "sample":
         seed = a.seed or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -395,6 +415,9 @@ def main(argv=None) -> int:
         summary(a.seconds, a.jobs, a.globs)
         return 0
     in_root()
+    if a.cmd == "prepare":
+        drop_unmutated_copies()
+        return 0
     if a.cmd == "list":
         print("\n".join(all_names()))
         return 0
