@@ -35,6 +35,7 @@ from reorder.exchange.executors import TorchExecutor, TritonExecutor  # noqa: E4
 from reorder.plan.checksums import CHECKED_FIELDS, field_slot  # noqa: E402
 from reorder.plan.counts import SampleCounts  # noqa: E402
 from reorder.plan.moves import ByteField  # noqa: E402
+from support.checks import field_owner  # noqa: E402
 
 DTYPES = [torch.int64, torch.int32, torch.bfloat16, torch.float32, torch.uint8, torch.bool]
 
@@ -82,16 +83,6 @@ def random_window(rng, dev):
     return parts, host, tuple(f for f, _, _ in spec), where
 
 
-def owner(field, counts, byte) -> int:
-    kind, pre, unit = field
-    if kind == "dense":
-        return byte // unit % counts.shape[0]
-    if kind == "list":
-        return int(np.searchsorted(np.cumsum(counts.list_bytes), byte, side="right"))
-    entries = counts.rows if kind == "row" else counts.images
-    return int(np.searchsorted(np.cumsum(entries), byte // unit, side="right"))
-
-
 def check_windows(args, dev, offsets: set) -> int:
     rng, bad, launched, t_kernel, t_torch = np.random.default_rng(0), 0, 0, 0.0, 0.0
     sync, kernel = synchronizer(dev), functools.partial(cs.kernel_checksums, interpret=args.rehearse)
@@ -131,7 +122,7 @@ def check_windows(args, dev, offsets: set) -> int:
             byte = int(rng.integers(len(flat)))
             flat[byte] ^= 1 << int(rng.integers(8))
             changed = (kernel(parts, fields, dev) != got).nonzero().tolist()
-            sample = sum(c.shape[0] for _, c in parts[:p]) + owner(fields[f], parts[p][1], byte)
+            sample = sum(c.shape[0] for _, c in parts[:p]) + field_owner(fields[f], parts[p][1], byte)
             if changed != [[sample, field_slot(f)]]:
                 bad += 1
                 print(f"window {k}: a flipped byte of field {f} changed {changed}, not [[{sample}, "

@@ -98,3 +98,16 @@ def check_world(global_batches, held_ids, orders_seen, costs_by_module, dp_by_mo
                   balancer=balancer)
     for m, d in dp_by_module.items():
         check_module_ids(global_batches, held_ids[m], np.asarray(orders_seen[m][0]), d, groups=groups)
+
+
+def field_owner(field: tuple, counts, byte: int) -> int:
+    """The sample (index in its micro-batch) whose bytes hold byte `byte` of a field's buffer;
+    field: (kind, leading dims, bytes per unit) as `ByteField`, counts: the micro-batch's
+    SampleCounts."""
+    kind, pre, unit = field
+    if kind == "dense":
+        return byte // unit % counts.shape[0]
+    if kind == "list":
+        return int(np.searchsorted(np.cumsum(counts.list_bytes), byte, side="right"))
+    entries = counts.rows if kind == "row" else counts.images
+    return int(np.searchsorted(np.cumsum(entries), byte // unit, side="right"))

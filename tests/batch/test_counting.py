@@ -58,16 +58,23 @@ def test_torch_ops_count_like_the_host(batch):
     and grid_thw, and rejects a mask that is not 0/1 with the host path's message."""
     ids, mask, thw = batch
     for squares in (False, True):
-        try:
-            want = counting._counts_numpy(MODEL, ids, mask, squares, thw)
-        except ValueError as e:
-            with pytest.raises(ValueError) as got:
-                counting._counts_torch(MODEL, ids, mask, squares, thw)
-            assert str(got.value) == str(e)
-            continue
-        got = counting._counts_torch(MODEL, ids, mask, squares, thw)
-        np.testing.assert_array_equal(got[0], want[0])
-        np.testing.assert_array_equal(got[1], want[1])
+        torch_ops_count_like_the_host(ids, mask, thw, squares)
+
+
+def torch_ops_count_like_the_host(ids, mask, thw, squares):
+    """`_counts_torch` gives `_counts_numpy`'s counts and grid_thw, or raises its message; returns
+    the torch path's result (None where both raised)."""
+    try:
+        want = counting._counts_numpy(MODEL, ids, mask, squares, thw)
+    except ValueError as e:
+        with pytest.raises(ValueError) as got:
+            counting._counts_torch(MODEL, ids, mask, squares, thw)
+        assert str(got.value) == str(e)
+        return None
+    got = counting._counts_torch(MODEL, ids, mask, squares, thw)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    return got
 
 
 def check_kernel_interpreted():
@@ -206,17 +213,10 @@ def test_the_device_path_with_the_kernel_counts_like_the_host(batch):
     counting._counts_kernel = lambda model, i, m, g: real(model, i, m, g, interpret=True)
     try:
         for squares in (False, True):
-            try:
-                want = counting._counts_numpy(MODEL, ids, mask, squares, thw)
-            except ValueError as e:
-                with pytest.raises(ValueError) as got:
-                    counting._counts_torch(MODEL, ids, mask, squares, thw)
-                assert str(got.value) == str(e)
-                continue
             before = len(kernel.launches)
-            got = counting._counts_torch(MODEL, ids, mask, squares, thw)
-            np.testing.assert_array_equal(got[0], want[0])
-            np.testing.assert_array_equal(got[1], want[1])
+            got = torch_ops_count_like_the_host(ids, mask, thw, squares)
+            if got is None:
+                continue
             assert got[1].dtype == np.int64
             launched = len(kernel.launches) - before
             assert launched == (0 if squares or not ids.shape[0] else 1)

@@ -26,6 +26,7 @@ from reorder.batch import checksum as cs
 from reorder.plan.checksums import CHECKED_FIELDS, field_slot, word_width
 from reorder.plan.counts import SampleCounts
 from reorder.plan.moves import ByteField
+from support.checks import field_owner
 from support.kernels import BrokenKernel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,17 +81,6 @@ def buffer(rng, dtype, shape, offset):
     return base[offset:].view(shape)
 
 
-def owner(field: tuple, counts: SampleCounts, byte: int) -> int:
-    """The sample (index in its micro-batch) whose bytes hold byte `byte` of a field's buffer."""
-    kind, pre, unit = field
-    if kind == "dense":
-        return byte // unit % counts.shape[0]
-    if kind == "list":
-        return int(np.searchsorted(np.cumsum(counts.list_bytes), byte, side="right"))
-    entries = counts.rows if kind == "row" else counts.images
-    return int(np.searchsorted(np.cumsum(entries), byte // unit, side="right"))
-
-
 def check_kernel_interpreted():
     """Runs with TRITON_INTERPRET=1: the kernel's sums of random windows equal the torch ops' bit
     for bit (small blocks and chunks, so pieces span several programs and several steps of one);
@@ -113,7 +103,7 @@ def check_kernel_interpreted():
         byte = pick % len(flat)
         flat[byte] ^= 1 << (pick % 8)
         again = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk)
-        sample = sum(c.shape[0] for _, c in parts[:p]) + owner(fields[f], parts[p][1], byte)
+        sample = sum(c.shape[0] for _, c in parts[:p]) + field_owner(fields[f], parts[p][1], byte)
         assert (again != got).nonzero().tolist() == [[sample, field_slot(f)]], (sample, f)
 
     def some_buffers_unread(window, sizes, skip):
