@@ -12,7 +12,7 @@
 # MIMO_SET picks the batch: base (default: the jobs above), tp_pp (tensor and pipeline parallelism:
 # reorder off vs on with loss parity, image-embedding checksums across the bridge, TP peers
 # byte-identical, PP stages in one order, bit-identical resume), tp_pp_soak (their soaks, overlap on
-# and off, TP_PP_SOAK_ITERS iterations each, 300 by default; two CUDA_DEVICE_MAX_CONNECTIONS=1 soaks,
+# and off as separate jobs soak_<layout>_on / _off, TP_PP_SOAK_ITERS iterations each, 300 by default; two CUDA_DEVICE_MAX_CONNECTIONS=1 soaks,
 # TP and PP, where overlap must be refused), or all. The TP/PP layouts (ranks):
 #   coloc_tp2   colocated tp 2 x dp 2, the encoder on the same grid                      4
 #   tp2         encoder dp 2 + language tp 2 x dp 2                                      2 + 4 = 6
@@ -113,8 +113,10 @@ fi
 if [ "$MIMO_SET" = tp_pp_soak ] || [ "$MIMO_SET" = all ]; then
   for spec in "${TP_PP_LAYOUTS[@]}"; do
     read -r name nproc layout <<< "$spec"
-    job "soak_$name" "$nproc" soak $layout --iters "$TP_PP_SOAK_ITERS" --windows 2 --overlaps on off --weights 0.5 \
-        --combo-seconds "$SOAK_SECONDS"
+    for ov in on off; do  # one job each: a 300-iteration soak of a wide layout fills a launcher's slot
+      job "soak_${name}_$ov" "$nproc" soak $layout --iters "$TP_PP_SOAK_ITERS" --windows 2 --overlaps $ov \
+          --weights 0.5 --combo-seconds "$SOAK_SECONDS"
+    done
   done
   # overlap refused under CUDA_DEVICE_MAX_CONNECTIONS=1 (what megatron recommends with TP), then the
   # synchronous exchange next to the TP collectives, and next to the 1F1B schedule's P2P
