@@ -19,10 +19,11 @@ dp = world size (ranks beyond the GPU count share them: bench.common.rank_device
   torchrun --nproc-per-node 4 functional_tests/lifetime_cuda.py
   python functional_tests/lifetime_cuda.py --defect   # the self-check must catch the defect put back
 
---defect puts the lifetime defect back (the Triton executor holds nothing: `KeepAlive.hold` does
-nothing) and runs the exchanger cases with the runtime self-check on every window (verify=1): the
-check passes when the self-check raised its ReorderError in at least one case (and never another
-error), so the check users can leave on is shown to catch what this suite catches.
+--defect puts the lifetime defect back (the Triton executors made from then on hold nothing; the
+self-check's own holder is untouched) and runs the exchanger cases with the runtime self-check on
+every window (verify=1): the check passes when the self-check raised its ReorderError in at least
+one case (and never another error), so the check users can leave on is shown to catch what this
+suite catches.
 
 Rank 0 prints one RESULT line: ok, windows and micro-batches checked, corrupted windows per case.
 Exit 1 on any corrupted window, on any rank, or when fewer windows than --min-windows were checked.
@@ -122,9 +123,13 @@ def defect_caught(args, groups, dev, rank: int, world: int):
     """--defect: the exchanger cases without early copies, self-check on every window, the
     executor's keep-alive disabled; exit 0 when the self-check caught the corruption."""
     from reorder import ReorderError
-    from reorder.exchange.executors import KeepAlive
+    from reorder.exchange import executors
 
-    KeepAlive.hold = lambda self, tensors, stream: None  # the defect: nothing keeps the pinned sources
+    class HoldsNothing(executors.KeepAlive):  # the defect: the copy kernel's pinned sources are not kept
+        def hold(self, tensors, stream):
+            pass
+
+    executors.KeepAlive = HoldsNothing  # executors made from now on; the self-check's own holder is kept
     caught, other = [], []
     for overlap in (False, True):
         for w in (1, 2, 3, 4):

@@ -22,14 +22,13 @@ with one Triton launch (`triton_checksum`, imported on first use) over a table o
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import threading
 
 import numpy as np
 import torch
 
+from reorder.batch.keepalive import KeepAlive
 from reorder.plan.checksums import CHECKED_FIELDS, field_slot, word_width
 from reorder.plan.counts import SampleCounts
 
@@ -312,25 +311,4 @@ def _pieces(p: int, f: int, field: tuple, buf: torch.Tensor, counts: SampleCount
                      (at + j) * CHECKED_FIELDS + field_slot(f)])
 
 
-class _Held:
-    """Pinned host buffers that queued launches read by address, held until those are done (the
-    caching host allocator cannot see a kernel's reads: as `reorder.exchange.executors.KeepAlive`).
-    One per process, shared by every round and thread (an overlap worker launches too): locked."""
-
-    def __init__(self):
-        self._pending = collections.deque()  # (event, tensors), in launch order
-        self._lock = threading.Lock()
-
-    def hold(self, tensors: list, stream) -> None:
-        """Keep `tensors` until the work queued so far on `stream` is done; let go of those whose
-        launches have completed."""
-        with self._lock:
-            while self._pending and self._pending[0][0].query():
-                self._pending.popleft()
-            if tensors:
-                event = torch.cuda.Event()
-                event.record(stream)
-                self._pending.append((event, tensors))
-
-
-_HELD = _Held()
+_HELD = KeepAlive()  # one per process: every round and thread (an overlap worker too) launches

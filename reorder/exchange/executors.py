@@ -20,7 +20,6 @@ Executors:
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -28,6 +27,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from reorder.batch.keepalive import KeepAlive
 from reorder.plan.segments import Segments
 
 log = logging.getLogger("reorder")
@@ -211,37 +211,6 @@ def launch_table(segments: Segments, src_ptr: np.ndarray, dst_ptr: np.ndarray, b
     blk[:, 0] = np.repeat(np.arange(n, dtype=np.int64), per_seg)
     blk[:, 1] = (np.arange(blocks, dtype=np.int64) - first[blk[:, 0]]) * block_bytes
     return out, n, blocks
-
-
-class KeepAlive:
-    """Tensors that queued device work reads by raw address, held until that work is done.
-
-    torch's caching allocators learn of pending work on a block only from torch's own operations
-    (a non-blocking copy records an event on a pinned host block; a stream records itself on a
-    device block). A kernel that reads a tensor through its address is invisible to them: once the
-    caller drops the tensor, its block can be handed to the next allocation (the next
-    `pin_memory()`) and overwritten before the kernel has read it. `hold` keeps the tensors
-    referenced until a CUDA event recorded after the launch completes; completed entries are
-    dropped at every later `hold` (in launch order) and all of them at `wait`."""
-
-    def __init__(self):
-        self._pending = collections.deque()  # (event, tensors), in launch order
-
-    def hold(self, tensors: list, stream) -> None:
-        """Keep `tensors` alive until the work queued so far on `stream` is done."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._pending.append((event, tensors))
-        while self._pending and self._pending[0][0].query():
-            self._pending.popleft()
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def wait(self) -> None:
-        """Block until every held tensor's work is done, then let them go."""
-        while self._pending:
-            self._pending.popleft()[0].synchronize()
 
 
 class TritonExecutor:

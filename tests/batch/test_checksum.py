@@ -373,38 +373,6 @@ def test_a_part_with_a_buffer_per_field_only():
     assert str(e.value) == "part 1 has 0 buffers for 1 fields"
 
 
-class Event:
-    """A stand-in for torch.cuda.Event: done once `done` is set."""
-
-    def __init__(self):
-        self.done, self.stream = False, None
-
-    def record(self, stream):
-        self.stream = stream
-
-    def query(self):
-        return self.done
-
-
-def test_held_buffers_are_let_go_once_their_launches_are_done(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    held = cs._Held()
-    a, b, c = [torch.zeros(1)], [torch.ones(1)], [torch.ones(2)]
-    held.hold(a, "s0")
-    held.hold([], "s0")                                   # nothing to hold: no event
-    held.hold(b, "s1")
-    assert [(e.stream, t) for e, t in held._pending] == [("s0", a), ("s1", b)]
-    held._pending[0][0].done = True
-    held.hold(c, "s2")                                    # the first launch is done: let go of a
-    assert [(e.stream, t) for e, t in held._pending] == [("s1", b), ("s2", c)]
-    held._pending[1][0].done = True                       # done, but after one still pending: kept in order
-    held.hold([], "s3")
-    assert [t for _, t in held._pending] == [b, c]
-    held._pending[0][0].done = True
-    held.hold([], "s3")
-    assert list(held._pending) == []
-
-
 @pytest.mark.parametrize("chunk", [4, 8])
 def test_each_piece_is_cut_into_programs_of_chunk_words(chunk):
     """A piece of w words takes ceil(w / chunk) programs, at words 0, chunk, 2 chunk, ...: here list

@@ -1,6 +1,6 @@
 """`KeepAlive`: tensors read by a kernel through their addresses stay referenced until the event
-recorded after the launch completes, released in launch order, all of them at `wait`. CUDA events
-are replaced by fakes whose completion the test sets."""
+recorded after the launch completes, released in launch order, all of them at `wait`; a hold of
+nothing records no event. CUDA events are replaced by fakes whose completion the test sets."""
 
 import gc
 import weakref
@@ -8,8 +8,8 @@ import weakref
 import pytest
 import torch
 
-from reorder.exchange import executors
-from reorder.exchange.executors import KeepAlive
+from reorder.batch import keepalive
+from reorder.batch.keepalive import KeepAlive
 
 
 class FakeEvent:
@@ -34,7 +34,7 @@ class FakeEvent:
 @pytest.fixture
 def events(monkeypatch):
     FakeEvent.made = []
-    monkeypatch.setattr(executors.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(keepalive.torch.cuda, "Event", FakeEvent)
     return FakeEvent.made
 
 
@@ -56,7 +56,19 @@ def test_held_tensors_live_until_their_event_completes_and_go_in_launch_order(ev
     alive.hold([], stream="s")
     assert held(refs) == [True, True, True]
     events[0].done = True
-    alive.hold([], stream="s")  # the first two go; the third's work and the empty holds' remain
-    assert held(refs) == [False, False, True]
+    alive.hold([], stream="s")  # the first two go; the third's work remains
+    assert held(refs) == [False, False, True] and len(alive) == 1 and len(events) == 3  # no event for []
     alive.wait()
     assert held(refs) == [False, False, False] and len(alive) == 0 and all(e.done for e in events)
+
+
+def test_one_holder_serves_launches_of_several_streams(events):
+    alive = KeepAlive()
+    a, b, c = [torch.zeros(1)], [torch.ones(1)], [torch.ones(2)]
+    alive.hold(a, "s0")
+    alive.hold([], "s0")                                   # nothing to hold: no event
+    alive.hold(b, "s1")
+    assert [(e.stream, t) for e, t in alive._pending] == [("s0", a), ("s1", b)]
+    events[0].done = True
+    alive.hold(c, "s2")                                    # the first launch is done: let go of a
+    assert [(e.stream, t) for e, t in alive._pending] == [("s1", b), ("s2", c)]

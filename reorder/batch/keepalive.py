@@ -1,0 +1,46 @@
+"""Host buffers that queued device work reads by raw address, held until that work is done.
+
+torch's caching allocators learn of pending work on a block only from torch's own operations (a
+non-blocking copy records an event on a pinned host block; a stream records itself on a device
+block). A kernel that reads a tensor through its address is invisible to them: once the caller
+drops the tensor, its block can be handed to the next allocation (the next `pin_memory()`) and
+overwritten before the kernel has read it. Both Triton launches that read pinned host memory (the
+exchange's copy kernel and the self-check's checksum kernel) hold their sources here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+
+class KeepAlive:
+    """Tensors held until a CUDA event recorded after their launch completes; completed entries are
+    let go, in launch order, at every later `hold` and all of them at `wait`. Locked: one holder may
+    serve several threads (an overlap worker launches too)."""
+
+    def __init__(self):
+        self._pending = collections.deque()  # (event, tensors), in launch order
+        self._lock = threading.Lock()
+
+    def hold(self, tensors: list, stream) -> None:
+        """Keep `tensors` until the work queued so far on `stream` is done (no event when there is
+        nothing to keep); let go of those whose launches have completed."""
+        with self._lock:
+            while self._pending and self._pending[0][0].query():
+                self._pending.popleft()
+            if tensors:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._pending.append((event, tensors))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def wait(self) -> None:
+        """Block until every held tensor's work is done, then let them go."""
+        with self._lock:
+            while self._pending:
+                self._pending.popleft()[0].synchronize()
