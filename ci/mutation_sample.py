@@ -34,6 +34,8 @@ category of its own in the summary; only the first is left out of the score:
                                   result may differ in its last bits
     ci/mutation/cuda_only.txt     differs only with CUDA tensors (a launch, a stream, pinned memory):
                                   the mutation run, on CPUs, cannot reach it
+A CUDA-only entry that the GPU checks kill (ci/mutation_gpu.py writes ci/mutation/gpu_killed.txt,
+`NAME FINGERPRINT check`) counts as killed (`gpu_killed`) while its fingerprint matches.
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def check_reviewed(name: str, reviewed: dict) -> tuple:
 
 # --- summary --------------------------------------------------------------------------------------
 
-COUNTS = ("mutants", "killed", "timeout", "survived", "no_tests", *(k for k, _, _ in REVIEWED), "not_checked")
+COUNTS = ("mutants", "killed", "timeout", "survived", "no_tests", "gpu_killed", *(k for k, _, _ in REVIEWED),
+          "not_checked")
 
 
 def module_of(path: str) -> str:
@@ -217,7 +220,11 @@ def counted(row: dict, reviewed: dict, survivors: list, stale: list) -> dict:
         return out
     for k in COUNTS[3:-1]:
         out[k] = 0
+    gpu = read_list(OUT / "gpu_killed.txt")
     for name, status in sorted(row["open"].items()):
+        if name in gpu and gpu[name][0] == fingerprint(diff_of(name)):  # a GPU check kills it
+            out["gpu_killed"] += 1
+            continue
         key, why = check_reviewed(name, reviewed)
         if key is not None:
             out[key] += 1
@@ -231,7 +238,7 @@ def counted(row: dict, reviewed: dict, survivors: list, stale: list) -> dict:
 
 def score(row: dict, leave_out=("equivalent",)) -> float | None:
     checked = row["mutants"] - row["not_checked"] - sum(row[k] for k in leave_out)
-    return round(100.0 * (row["killed"] + row["timeout"]) / checked, 2) if checked else None
+    return round(100.0 * (row["killed"] + row["timeout"] + row["gpu_killed"]) / checked, 2) if checked else None
 
 
 def cpu_score(row: dict) -> float | None:
@@ -318,8 +325,9 @@ def summary(seconds: float | None, jobs: int, globs: list):
         lines.append(f"- run {k}: commit {r['commit']}, `{command}`" if command else
                      f"- run {k}: commit {r['commit']}, {r.get('where', '')}")
         lines[-1] += (f" on a {r['where']}{took}" if r.get("command") else took) + f": {what}{again}"
-    lines += ["", "score = (killed + timeout) / (mutants - equivalent - not checked): every other survivor counts "
-              "against it, reviewed or not. Reviewed survivors (one category each; lists in ci/mutation/): "
+    lines += ["", "score = (killed + timeout + gpu_killed) / (mutants - equivalent - not checked): every other "
+              "survivor counts against it, reviewed or not. gpu_killed: CUDA-only survivors of the CPU run that the "
+              "GPU checks kill (`ci/mutation_gpu.py`, `gpu_killed.txt`). Reviewed survivors (one category each; lists in ci/mutation/): "
               + "; ".join(f"{k} = {w} (`{f}`)" for k, f, w in REVIEWED) + ". cpu_score leaves the CUDA-only "
               "survivors out too: the score over what a run on CPUs can reach.", "",
               "| file | run | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
