@@ -18,9 +18,11 @@ def _row(rng, weights, noise):
 
 
 def simulate(*, ranks=4, windows=40, window_size=2, every=3, noise=0.1, seed=0, weights=TRUE, drift_at=None,
-             weights2=None, silent=None, permute=False, log=False, **kw):
+             weights2=None, silent=None, silent_all_from=None, bad=None, permute=False, log=False, **kw):
     """Every rank's Calibration over `windows` windows of synthetic rows; the frames are stacked as
     an all-gather returns them (permute: in a shuffled rank order, rows shuffled within each frame).
+    silent=(rank, window): that rank adds no rows from that window on (silent_all_from: no rank);
+    bad=(rank, window, ms): that rank's first row of the window comes with ms as its time.
     log: rank 0 logs its fits. Returns (the calibrations, the cost model each window was planned with)."""
     rng, shuffle = np.random.default_rng(seed), np.random.default_rng(seed + 1)
     cals = [Calibration(window_size=window_size, every=every, log_fits=log and r == 0, tag=0, **kw)
@@ -43,6 +45,9 @@ def simulate(*, ranks=4, windows=40, window_size=2, every=3, noise=0.1, seed=0, 
         for s in range(window_size):
             for r, c in enumerate(cals):
                 x, ms = _row(rng, w, noise)
-                if silent is None or not (r == silent[0] and j >= silent[1]):
+                if bad is not None and (r, j, s) == (bad[0], bad[1], 0):
+                    ms = bad[2]
+                if (silent is None or not (r == silent[0] and j >= silent[1])) and \
+                        (silent_all_from is None or j < silent_all_from):
                     c.add_row(j, s, x, ms)
     return cals, planned

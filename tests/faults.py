@@ -35,6 +35,11 @@ SUITES = {
                     "overlap buffer"),
     "buffer": ("tests/runtime/test_buffer.py::test_a_run_of_skipped_windows_on_the_consumer_ends_or_raises_and_stops_the_worker",
                "source_error: what the data source raises after 4 micro-batches"),
+    "calibration": ("tests/runtime/test_calibration.py::test_calibration_fault_case",
+                    "sim: tests/calibration_sim.simulate keyword arguments (4 ranks, mode on, 30 windows unless "
+                    "given: bad=(rank, window, ms) hands that rank's first step time of the window over as ms, "
+                    "silent=(rank, window) stops a rank timing, silent_all_from=window stops every rank); "
+                    "per_rank: one Calibration's settings per rank, whose headers are folded together"),
     "gloo": ("tests/test_functional_gloo.py::test_faults_raise_on_every_rank",
              "argv: gloo_suite arguments (run with --overlap and --no-overlap); world: processes; "
              "dead: global ranks that exit on purpose (no report)"),
@@ -67,13 +72,13 @@ class Seen:
     def texts(self) -> tuple:
         return (self.text,) if isinstance(self.text, str) else tuple(self.text)
 
-    def check(self, got) -> None:
+    def check(self, got, said: str = "") -> None:
         """Assert that `got` is what this entry says: an exception, "Type: message" (a rank's report)
-        or None (no error)."""
+        or None (no error; `said`: what the ranks logged or reported instead, matched against text)."""
         if isinstance(got, BaseException):
             kind, msg = type(got).__name__, str(got)
         elif got is None:
-            kind, msg = None, ""
+            kind, msg = None, said
         else:
             kind, _, msg = str(got).partition(": ")
         assert kind == self.error, f"{self.who}: expected {self.error or 'no error'}, got {kind}: {msg}"
@@ -326,6 +331,46 @@ CASES = [
                     Seen("language", None, note="serves all 7 micro-batches")),
               params=dict(argv=["--vision-dp", "2", "--language-dp", "2", "--case", "bad_input", "--timeout", "30"],
                           world=4)),
+    # --- online calibration: every rank of the fit group decides alike, training goes on ------------
+    FaultCase("calibration_time_not_finite", "calibration", where="rank 1's step time, window 5",
+              input="ms = nan (the same for inf)",
+              sees=(Seen("rank 1", None, "add_row(ms=nan) refused (window 5, slot 0): the step time must be a finite "
+                                         "number >= 0", note="a warning; that micro-batch goes unmeasured"),
+                    Seen("every rank", None, "switched", note="the fits go on with the other rows: the same "
+                                                             "weights on every rank")),
+              params=dict(sim=dict(bad=(1, 5, math.nan)))),
+    FaultCase("calibration_time_negative", "calibration", where="rank 1's step time, window 5", input="ms = -1.0",
+              sees=(Seen("rank 1", None, "add_row(ms=-1.0) refused (window 5, slot 0)",
+                         note="a warning; that micro-batch goes unmeasured"),
+                    Seen("every rank", None, "switched", note="the fits go on with the other rows: the same "
+                                                             "weights on every rank")),
+              params=dict(sim=dict(bad=(1, 5, -1.0)))),
+    FaultCase("calibration_rank_stops_timing", "calibration", where="rank 1 of 4, from window 9 on",
+              input="no step times (timed_step never entered, record_step_ms never called)",
+              sees=(Seen("every rank", None, "rank 1 of the fit group sent 0 step times",
+                         note="every later fit is held on every rank (a warning on rank 0): the last good weights "
+                              "stay active, plans go on; it resumes when the rank reports again"),),
+              params=dict(sim=dict(silent=(1, 9)))),
+    FaultCase("calibration_no_rank_times", "calibration", where="every rank, from window 0",
+              input="no step times at all", sees=(Seen("every rank", None, "no step times in windows 0..2 from any "
+                                                                           "rank: time each step with buf.timed_step()",
+                                                       note="each fit held; the configured weights stay"),),
+              params=dict(sim=dict(silent_all_from=0))),
+    FaultCase("calibration_too_few_rows", "calibration", where="the fit group (1 rank, W 1, every 2 windows)",
+              input="2 rows per fit",
+              sees=(Seen("every rank", None, ("rows=2 for windows 0..1: too few to fit (at least 7: 5 weights, an "
+                                              "intercept and one residual); they join the next fit's rows, the "
+                                              "active weights hold", "rows=6 for windows 0..5", "min_gain"),
+                         note="held fits (one warning on rank 0) until the rows carried along reach 7; the fit of "
+                              "windows 0..7 is then judged as any other"),),
+              params=dict(sim=dict(ranks=1, window_size=1, every=2))),
+    FaultCase("calibration_settings_differ", "calibration", where="rank 2's calibration settings",
+              input="every = 3 on rank 2, 4 on ranks 0 and 1",
+              sees=(Seen("every rank", "ValueError", "reorder calibration: the calibration settings differ across the "
+                                                     "fit group: every = 4 on ranks 0, 1; 3 on rank 2", match="equals",
+                         note="raised by every rank at the first fit's header all-gather (fixed size, before the "
+                              "rows), so no rank waits for a frame of another size"),),
+              params=dict(per_rank=[dict(every=4), dict(every=4), dict(every=3)])),
     FaultCase("early_end", "gloo", where="vision rank 0's data source",
               input="ends after 3 micro-batches (the others yield 7)",
               sees=(Seen("vision", "ReorderError", "micro-batch count of this window differs across the DP group"),

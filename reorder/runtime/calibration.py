@@ -416,6 +416,7 @@ class Calibration:
         self._open: SwitchOutcome | None = None  # the last switch, waiting for the rows it planned
         self._active_bits = None  # the active weights' float64 bits as int64 (None: the configured ones)
         self._served = None  # (window, slot, micro-batch) last taken from the buffer
+        self._carry = None  # (first window, rows) of a fit with too few rows, for the next one
 
     @property
     def rank0(self) -> bool:
@@ -588,6 +589,10 @@ class Calibration:
                 cost: CostModel) -> CostModel | None:
         nfeat = len(FEATURES)
         last = window - self.lag
+        carried = self._carry is not None and not (per_rank == 0).any()
+        if carried:  # the last fit's too few rows come along
+            first, rows = self._carry[0], sort_rows(np.concatenate([self._carry[1], rows]))
+        self._carry = None
         span = f"windows {first}..{last}"
         outcome = self._close_outcome(rows)
         silent = [int(i) for i in np.flatnonzero(per_rank == 0)]
@@ -600,10 +605,12 @@ class Calibration:
                               reason=f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of the "
                                      f"fit group sent 0 step times for {span} (every rank must time its steps); "
                                      f"the active weights hold")
-        if len(rows) < MIN_ROWS:
-            return self._hold(window, first, rows, cost, outcome, warn=True,
+        if len(rows) < MIN_ROWS:  # a small fit group: they join the next fit's rows (no rank silent there)
+            self._carry = (first, rows)
+            return self._hold(window, first, rows, cost, outcome, warn=not carried,  # once per run of them
                               reason=f"rows={len(rows)} for {span}: too few to fit (at least {MIN_ROWS}: "
-                                     f"{nfeat} weights, an intercept and one residual); the active weights hold")
+                                     f"{nfeat} weights, an intercept and one residual); they join the next fit's "
+                                     f"rows, the active weights hold")
         feats = rows[:, 4:4 + nfeat]
         drift, dropped = False, False
         seen = None

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import faults
 from calibration_sim import TRUE, simulate
 from reorder.plan.cost import CostModel
 from reorder.runtime.calibration import (FEATURES, MIN_ROWS, Calibration, CalibrationReport, RowFit,
@@ -234,7 +235,7 @@ WARNING:reorder:reorder calibration: timed_step() has nothing to time: the micro
         for w in range(2, 4):
             cal.add_row(w, 0, [1.0, 1, 1, 1, 1], 1.0)
         cal.fold(4, 2, np.stack([cal.frame(2, 4)] * 3), CostModel())
-        self.assertExpectedInline(cal.last.reason, """rows=6 for windows 2..3: too few to fit (at least 7: 5 weights, an intercept and one residual); the active weights hold""")
+        self.assertExpectedInline(cal.last.reason, """rows=6 for windows 2..3: too few to fit (at least 7: 5 weights, an intercept and one residual); they join the next fit's rows, the active weights hold""")
         assert MIN_ROWS == 7 and cal.last.rows == 6 and not cal.last.weights
 
     def test_a_report_line_and_its_record(self):
@@ -295,3 +296,33 @@ def test_overlap_takes_the_calibration_before_its_worker_starts():
     buf.calibrate(sync)
     list(buf)
     assert sync.lag == 1 and [r.window for r in sync.reports] == [2, 4, 6]
+
+
+# ---- the fault records (tests/faults.py, docs/faults.md) ---------------------------------------------
+
+@pytest.mark.parametrize("case", faults.cases("calibration"), ids=faults.name)
+def test_calibration_fault_case(case, caplog):
+    """Every rank sees what the record says; planning goes on every window and every rank keeps the
+    same active weights, bit for bit."""
+    if "per_rank" in case.params:  # the header all-gather: every rank checks the same gathered headers
+        heads = np.stack([Calibration(mode="on", **kw).header() for kw in case.params["per_rank"]])
+        (seen,) = case.sees
+        for _ in case.params["per_rank"]:
+            with pytest.raises(ValueError) as e:
+                check_headers(heads)
+            seen.check(e.value)
+        return
+    sim = dict(seed=0, windows=30, mode="on", **case.params["sim"])
+    with caplog.at_level("WARNING", logger="reorder"):
+        cals, planned = simulate(**sim)
+    assert len(planned) == sim["windows"]
+    active = {tuple(np.array([r.active[f] for f in FEATURES]).tobytes() for r in c.reports) for c in cals}
+    assert len(active) == 1
+    for seen in case.sees:
+        if seen.who == "every rank":
+            for c in cals:
+                seen.check(None, " | ".join(r.reason for r in c.reports))
+        else:
+            rank = int(seen.who.split()[1])
+            seen.check(None, "\n".join(caplog.messages))
+            assert [c.rejected for c in cals] == [int(i == rank) for i in range(len(cals))]
