@@ -40,8 +40,8 @@ def _code(text: str) -> str:
 
 def seen_cell(seen) -> str:
     """One Seen as markdown: who, the error and its text, the note."""
-    if seen.error is None:
-        what = "no error"
+    if seen.error is None:  # its texts: what the ranks log or report instead
+        what = "no error" + (", logs or reports " + " and ".join(_code(t) for t in seen.texts) if seen.texts else "")
     elif seen.match == "equals":
         what = f"`{seen.error}`, exactly: {_code(seen.text)}"
     elif seen.match == "starts":
