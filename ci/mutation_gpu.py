@@ -13,7 +13,8 @@ mutants with the GPU checks instead, in two steps:
                                               must pass every check; then, per mutant, a copy of the
                                               tree with its file replaced runs its check; a check
                                               that fails or times out kills it. OUT.txt gets one
-                                              line per killed mutant: NAME FINGERPRINT check
+                                              line per killed mutant: NAME FINGERPRINT check;
+                                              OUT.jsonl every verdict as it comes, with the output
 
 `ci/mutation/gpu_killed.txt` is such an output: the summary (`ci/mutation_sample.py summary`) counts
 a CUDA-only survivor on it, with the same fingerprint, as killed on the GPU (`gpu_killed`).
@@ -110,15 +111,18 @@ def judge(src: Path, out: Path, jobs: int, timeout: float) -> int:
             print(tail)
             return 2
     scratch = Path(tempfile.mkdtemp(prefix="gpu-mutants-"))
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        results = list(pool.map(lambda d: judge_one(d, scratch, timeout), dirs))
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool, open(out.with_suffix(".jsonl"), "w") as log:
+        for r in pool.map(lambda d: judge_one(d, scratch, timeout), dirs):  # each verdict as it comes
+            results.append(r)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
     killed = [r for r in results if r["killed"]]
     with open(out, "w") as f:
         f.write(f"# CUDA-only survivors killed on a GPU (ci/mutation_gpu.py): NAME FINGERPRINT check. "
                 f"{len(killed)} of {len(results)} killed.\n")
         for r in killed:
             f.write(f"{r['name']} {r['fingerprint']} {r['check'].split()[0]}\n")
-    (out.with_suffix(".json")).write_text(json.dumps(results, indent=1) + "\n")
     for r in results:
         print(f"{'killed  ' if r['killed'] else 'SURVIVED'} {r['name']} ({r['seconds']} s)")
     print(f"{len(killed)} of {len(results)} CUDA-only mutants killed on the GPU")
