@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reorder.plan.segments import FIELDS
+import reorder.exchange as exchange_pkg
 from reorder.exchange import executors as ex
 from reorder.exchange.executors import (Executor, Segments, TorchExecutor, check_bounds, launch_table,
                                         select_executor, word_width)
@@ -250,6 +251,7 @@ def test_select_executor_logs_once(caplog, monkeypatch):
 def test_select_executor_without_triton_falls_back(caplog, monkeypatch):
     monkeypatch.setattr(ex, "_NOTICES", set())
     monkeypatch.setitem(sys.modules, "reorder.exchange.triton_copy", None)  # import fails as if absent
+    monkeypatch.delattr(exchange_pkg, "triton_copy", raising=False)  # an earlier import left it on the package
     with caplog.at_level(logging.INFO, logger="reorder"):
         assert select_executor("cuda:0").name == "torch"
         select_executor("cuda:1")
