@@ -8,8 +8,8 @@ host never waits for it. Checks:
   step, and the fits cover all but the last `every + lag` windows;
 - the event times are the hidden ones: the fits explain them (R^2 >= 0.98) and the last fit's
   prediction of each micro-batch is within 5 % of its hidden time on average;
-- timing adds no host sync: the host leaves the `with` block (median) in under a tenth of the step's
-  device time, so the device work queues up behind it.
+- timing adds no host sync: the host leaves the `with` block (median) in under half of the step's
+  device time (a sync there would wait for the step's own sleep, so it would take all of it).
 
   python functional_tests/calibrate_cuda.py [--micro-batches 48]
   python functional_tests/calibrate_cuda.py --device cpu     # rehearsal: perf_counter around sleeps (rows only)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     checks = {"rows": rows == expect and covered >= a.micro_batches // window - cal.every - cal.lag}
     if cuda:  # host sleeps overshoot on a busy CPU: the rehearsal checks the rows only
         checks.update(r2=bool(last) and all(r.r2 >= 0.98 for r in cal.reports), prediction=err <= 0.05,
-                      no_host_sync=host_over_device < 0.1)
+                      no_host_sync=host_over_device < 0.5)
     result = {"ok": all(checks.values()), "checks": checks, "device": torch.cuda.get_device_name(dev) if cuda
               else "cpu", "lag": cal.lag, "fits": len(cal.reports), "rows": rows, "rows_expected": expect,
               "r2": [round(r.r2, 4) for r in cal.reports], "mean_rel_error": round(err, 4),
