@@ -5,7 +5,8 @@
 
 One process, the data-parallel ranks in sequence on one device: each rank's share of a global
 micro-batch runs forward + backward through the ViT-like encoder of `bench/e2e_vision.py`, timed alone
-(the device synchronized around it), so a rank's time is what it ran and nothing else.
+(the device synchronized around it) after `--warm` untimed passes of the same share, so a rank's time
+is what it ran and nothing else (not the first-seen-shape costs training pays once).
 
 1. Fit: `--fit-windows` global micro-batches in their natural split; every rank's time and the
    features of what it ran (`reorder.runtime.calibration.step_features`) are the rows of one fit
@@ -56,10 +57,12 @@ def counts_of(batch: dict) -> SampleCounts:
 
 
 class Timer:
-    """Forward + backward of one micro-batch through the encoder, timed alone (ms)."""
+    """Forward + backward of one micro-batch through the encoder, timed alone (ms), after `warm`
+    untimed passes of the same micro-batch: a shape seen for the first time costs allocator growth
+    and kernel selection that training pays once, not every step."""
 
-    def __init__(self, model, device):
-        self.model, self.device = model, device
+    def __init__(self, model, device, warm: int = 1):
+        self.model, self.device, self.warm = model, device, warm
         self.dtype = next(model.parameters()).dtype
 
     def sync(self):
@@ -70,14 +73,15 @@ class Timer:
         vit = mb["modality_inputs"]["images"]["vit"]
         patches = vit["hidden_states"].to(self.device, self.dtype)
         thw = vit["grid_thw"].cpu()
-        self.sync()
-        t = time.perf_counter()
-        if len(thw):
-            self.model(patches, thw).backward()
-        self.sync()
-        ms = (time.perf_counter() - t) * 1e3
-        for p in self.model.parameters():
-            p.grad = None
+        for k in range(self.warm + 1):
+            self.sync()
+            t = time.perf_counter()
+            if len(thw):
+                self.model(patches, thw).backward()
+            self.sync()
+            ms = (time.perf_counter() - t) * 1e3
+            for p in self.model.parameters():
+                p.grad = None
         return ms
 
 
@@ -104,6 +108,7 @@ def main() -> None:
     p.add_argument("--fit-windows", type=int, default=24)
     p.add_argument("--eval-windows", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3, help="untimed micro-batches first (kernels, allocator)")
+    p.add_argument("--warm", type=int, default=1, help="untimed passes of each micro-batch before its timed one")
     p.add_argument("--mix", default="large")
     p.add_argument("--scale", type=float, default=1.0, help="image size scale of the mix")
     p.add_argument("--dim", type=int, default=384)
@@ -114,7 +119,7 @@ def main() -> None:
     dev = torch.device(args.device)
     torch.manual_seed(args.seed)
     model = Encoder(1176, args.dim, 16, args.layers).to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    timer = Timer(model, dev)
+    timer = Timer(model, dev, args.warm)
     rng = np.random.default_rng(args.seed)
     B, dp = args.per_rank * args.dp, args.dp
     grid = Grid(size=dp, dp=dp, rank=0)
@@ -141,7 +146,9 @@ def main() -> None:
     for k in range(args.eval_windows):
         g = draw(args.fit_windows + k)
         counts = counts_of(g)
-        for name, cost in plans.items():
+        names = list(plans)
+        for name in names[k % 3:] + names[:k % 3]:  # each plan first in a third of the windows
+            cost = plans[name]
             order = np.arange(B) if cost is None else plan_window(counts, cost, grid, PlanSettings()).orders[0]
             shares = rank_shares(g, np.asarray(order), dp)
             measured[name].append([timer(mb) for mb in shares])
