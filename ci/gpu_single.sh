@@ -19,6 +19,7 @@ run() {  # name, command...
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$LOG/device.txt" 2>&1
 run executors_cuda python3 functional_tests/executors_cuda.py
 run dp1_cuda python3 functional_tests/dp1_cuda.py --device cuda
+run batch_cuda python3 functional_tests/batch_cuda.py
 run bridge_cuda python3 functional_tests/bridge_cuda.py --device cuda
 run single_gpu python3 bench/single_gpu.py --out "$LOG/single_gpu.json"
 run host_parts python3 bench/host_parts.py --out "$LOG/host_parts.json"

@@ -20,8 +20,9 @@ mutants with the GPU checks instead, in two steps:
 a CUDA-only survivor on it, with the same fingerprint, as killed on the GPU (`gpu_killed`).
 
 The check of a mutant is the GPU script that reaches its file: the checksum kernel's check for
-`reorder/batch/checksum.py`, the dp-1 exchange (counting on the device, CUDA micro-batches
-described and counted) for `layout.py` and `counting.py`.
+`reorder/batch/checksum.py`, counting and describing micro-batches on the device, the host or split
+between them (`batch_cuda.py`) for `layout.py` and `counting.py` (in the first GPU judging, the dp-1
+exchange `dp1_cuda.py` killed none of their 16).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = {  # mutated file -> the GPU check that reaches it (run from the tree's root)
     "reorder/batch/checksum.py": "functional_tests/checksum_cuda.py --windows 40",
-    "reorder/batch/counting.py": "functional_tests/dp1_cuda.py --device cuda",
-    "reorder/batch/layout.py": "functional_tests/dp1_cuda.py --device cuda",
+    "reorder/batch/counting.py": "functional_tests/batch_cuda.py",
+    "reorder/batch/layout.py": "functional_tests/batch_cuda.py",
 }
 TREE = ("reorder", "functional_tests", "bench", "spec", "support")  # what a check imports
 
