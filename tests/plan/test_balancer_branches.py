@@ -265,3 +265,32 @@ def test_the_plan_does_not_depend_on_the_cost_unit(seed):
     assert_plan(plan, 512, 32)
     for scale in (2.0 ** 8, 2.0 ** 20, 2.0 ** 40):
         assert bal.balanced(costs * scale, 32).tolist() == plan.tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_three_group_resplit_takes_the_heaviest_and_two_of_the_four_lightest(seed):
+    """`_resplit(k=3)` bounds its work by its partners: only the heaviest group and two of the four
+    lightest may change, and only when the re-split lowers the heaviest load."""
+    rng = np.random.default_rng(seed)
+    G, m = int(rng.integers(6, 9)), int(rng.integers(1, 4))
+    C = np.round(rng.lognormal(3, 1, (G, m)), 1)
+    M = np.arange(G * m).reshape(G, m)
+    L = bal._row_sums(C)
+    order = np.argsort(L, kind="stable")
+    allowed = {int(order[-1])} | {int(g) for g in order[:4]}
+    before_C, before_L = C.copy(), L.copy()
+    changed_plan = bal._resplit(M, C, L, 3, [10 ** 9])
+    changed = {g for g in range(G) if not np.array_equal(C[g], before_C[g])}
+    assert changed <= allowed
+    assert changed_plan == bool(changed) or changed_plan and L.max() < before_L.max()
+    if changed_plan:
+        assert L.max() < before_L.max() or L[int(order[-1])] < before_L[int(order[-1])]
+
+
+def test_a_resplit_of_more_groups_than_there_are_reports_no_change():
+    """Three groups cannot be re-split among two: nothing changes and `_improve` is told so (a True
+    would send it round its loop again to its iteration bound)."""
+    C = np.array([[9.0, 1.0], [2.0, 3.0]])
+    M, L = np.arange(4).reshape(2, 2), bal._row_sums(C)
+    assert bal._resplit(M, C, L, 3, [10 ** 9]) is False
+    assert C.tolist() == [[9.0, 1.0], [2.0, 3.0]] and M.tolist() == [[0, 1], [2, 3]]

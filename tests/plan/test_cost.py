@@ -38,13 +38,20 @@ def test_grid_refuses_a_bad_size(size):
 
 
 def test_grid_accepts_its_old_keyword_and_attribute_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match=r"Grid\(groups=\) is renamed Grid\(size=\)"):
+    with pytest.warns(DeprecationWarning) as seen:
         old = Grid(groups=4, dp=2, rank=1)
     assert old == Grid(size=4, dp=2, rank=1)
-    with pytest.warns(DeprecationWarning, match=r"Grid.groups is renamed Grid.size"):
+    with pytest.warns(DeprecationWarning) as seen_attr:
         assert old.groups == 4
-    with pytest.raises(TypeError, match="give size= .* only"):
+    for (w,), text in ((seen, "Grid(groups=) is renamed Grid(size=) (the canonical grid size G); groups= is "
+                               "removed in 0.3.0"),
+                       (seen_attr, "Grid.groups is renamed Grid.size (the canonical grid size G); groups is "
+                                   "removed in 0.3.0")):
+        assert str(w.message) == text
+        assert w.filename == __file__  # the warning names the caller's line, not the library's
+    with pytest.raises(TypeError) as e:
         Grid(size=4, groups=4, dp=2, rank=1)
+    assert str(e.value) == "give size= (the canonical grid size G) only: groups= is its old name"
 
 
 @pytest.mark.parametrize("rank", [-1, 2, 3])
@@ -90,6 +97,7 @@ def test_the_old_name_warns_and_still_checks():
         check_global_batch(12, 4)
     (w,) = seen
     assert str(w.message) == "check_global_batch is deprecated: use check_micro_batch_size"
+    assert w.filename == __file__
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="micro_batch_size=6"):
         check_global_batch(6, 4)
 
