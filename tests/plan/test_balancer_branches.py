@@ -294,3 +294,16 @@ def test_a_resplit_of_more_groups_than_there_are_reports_no_change():
     M, L = np.arange(4).reshape(2, 2), bal._row_sums(C)
     assert bal._resplit(M, C, L, 3, [10 ** 9]) is False
     assert C.tolist() == [[9.0, 1.0], [2.0, 3.0]] and M.tolist() == [[0, 1], [2, 3]]
+
+
+def test_refill_counts_a_second_vacancy_as_the_smallest_evicted_cost():
+    """`_refill`'s rule with one slot beyond the next (extra = 1): the evicted costs 5, 19, 10 go
+    back into group 0 (one vacancy, 4 pinned) and group 3 (two vacancies, nothing pinned), which
+    expects 0 + 5 (its second slot counts as the smallest evicted cost). LPT: 19 to group 0 (4 < 5),
+    10 to group 3, 5 to group 3: loads 23 and 15 (counting that slot as 0 would give 14 and 24)."""
+    C = np.array([[4.0, 5.0], [0.0, 64.0], [29.0, 5.0], [19.0, 10.0], [4.0, 24.0]])
+    M = np.arange(10).reshape(5, 2)
+    out = np.array([[0, 1], [0, 0], [0, 0], [1, 1], [0, 0]], dtype=bool)
+    M2, C2 = bal._refill(M, C, out)
+    assert M2.tolist() == [[0, 6], [2, 3], [4, 5], [7, 1], [8, 9]]
+    assert bal._row_sums(C2).tolist() == [23.0, 64.0, 34.0, 15.0, 28.0]
