@@ -230,12 +230,29 @@ def test_filtered_two_group_resplit_on_zeros_and_large_rounding_totals(kind):
         assert best == pmax.min() and np.array_equal(r, rows) and np.array_equal(p, parts)
 
 
+def _no_search(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the search ran on a natural plan at the bound")
+    monkeypatch.setattr(bal, "_search", refuse)
+    monkeypatch.setattr(bal, "_resplit", refuse)
+
+
+@pytest.mark.parametrize("groups", [2, 3, 4])
+@pytest.mark.parametrize("costs", ["zeros", "even"])
+def test_a_natural_plan_at_the_bound_is_kept_without_a_search(groups, costs, monkeypatch):
+    """All costs 0, or every group's natural load equal to the bound: nothing to search, nothing moves."""
+    _no_search(monkeypatch)
+    c = np.zeros(4 * groups) if costs == "zeros" else np.tile([5.0, 1.0, 3.0, 3.0], groups)
+    assert bal.balanced(c, groups).tolist() == list(range(4 * groups))
+
+
 @pytest.mark.parametrize("groups, deltas, base", [(2, (0, 0, 0, 0, 1, 1), 333303699983),
                                                   (3, (0, 0, 0, 1, 1, 2), 499955549974)])
-def test_a_natural_plan_within_the_margin_of_the_bound_is_kept_by_the_search(groups, deltas, base):
+def test_a_natural_plan_within_the_margin_of_the_bound_is_kept_by_the_search(groups, deltas, base, monkeypatch):
     """The natural max load is exactly lb * (1 + 1e-12) (lb = 999911099950, the max one more): the
-    search does not start, and the final check replaces the natural plan by LPT's, which is exactly
-    lb: the optimum."""
+    search does not start (neither the search nor the two-group re-split runs), and the final check
+    replaces the natural plan by LPT's, which is exactly lb: the optimum."""
+    _no_search(monkeypatch)
     c = np.array([base + d for d in deltas], dtype=np.float64)
     lb = bal.quick_lower_bound(c, groups)
     natural = max(math.fsum(r) for r in c.reshape(groups, -1).tolist())
