@@ -2,6 +2,7 @@
 (and the good inputs next to them they must accept); the quadratic cost through the public
 `count_samples` path against the spec's `sample_cost`, and a plan it changes."""
 
+import inspect
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from reorder import CostModel, Grid, canonical_grid, plan_orders
+from reorder.plan import grid as grid_module
 from reorder.plan.grid import check_global_batch, check_micro_batch_size
 from spec import reference as ref
 from reorder.batch.counting import count_samples, token_counts
@@ -37,18 +39,30 @@ def test_grid_refuses_a_bad_size(size):
         f"size={size!r} is invalid: the canonical grid size G must be an integer >= 1"
 
 
-def test_grid_accepts_its_old_keyword_and_attribute_with_a_deprecation_warning():
+def warned_at(call, line: int, fn) -> None:
+    """`call()` warns once, at the caller's line: `line` of this file, or, where `fn` runs inside a
+    wrapper (a mutation run wraps functions in mutmut's trampoline), where that wrapper calls what it
+    wraps, the place a stacklevel=2 warning of every wrapped function names (check_global_batch's)."""
     with pytest.warns(DeprecationWarning) as seen:
-        old = Grid(groups=4, dp=2, rank=1)
-    assert old == Grid(size=4, dp=2, rank=1)
-    with pytest.warns(DeprecationWarning) as seen_attr:
-        assert old.groups == 4
-    for (w,), text in ((seen, "Grid(groups=) is renamed Grid(size=) (the canonical grid size G); groups= is "
-                               "removed in 0.3.0"),
-                       (seen_attr, "Grid.groups is renamed Grid.size (the canonical grid size G); groups is "
-                                   "removed in 0.3.0")):
-        assert str(w.message) == text
-        assert w.filename == __file__  # the warning names the caller's line, not the library's
+        call()
+    (w,) = seen
+    if fn.__code__.co_filename == grid_module.__file__:
+        assert (w.filename, w.lineno) == (__file__, line)
+    else:
+        with pytest.warns(DeprecationWarning) as probe:
+            check_global_batch(4, 4)
+        assert (w.filename, w.lineno) == (probe[0].filename, probe[0].lineno)
+    return str(w.message)
+
+
+def test_grid_accepts_its_old_keyword_and_attribute_with_a_deprecation_warning():
+    here = inspect.currentframe().f_lineno
+    text = warned_at(lambda: Grid(groups=4, dp=2, rank=1), here + 1, Grid.__init__)
+    assert text == "Grid(groups=) is renamed Grid(size=) (the canonical grid size G); groups= is removed in 0.3.0"
+    old = Grid(size=4, dp=2, rank=1)
+    here = inspect.currentframe().f_lineno
+    text = warned_at(lambda: old.groups, here + 1, Grid.groups.fget)
+    assert text == "Grid.groups is renamed Grid.size (the canonical grid size G); groups is removed in 0.3.0"
     with pytest.raises(TypeError) as e:
         Grid(size=4, groups=4, dp=2, rank=1)
     assert str(e.value) == "give size= (the canonical grid size G) only: groups= is its old name"
@@ -93,11 +107,9 @@ def test_micro_batch_size_accepts_multiples():
 
 
 def test_the_old_name_warns_and_still_checks():
-    with pytest.warns(DeprecationWarning) as seen:
-        check_global_batch(12, 4)
-    (w,) = seen
-    assert str(w.message) == "check_global_batch is deprecated: use check_micro_batch_size"
-    assert w.filename == __file__
+    here = inspect.currentframe().f_lineno
+    text = warned_at(lambda: check_global_batch(12, 4), here + 1, check_global_batch)
+    assert text == "check_global_batch is deprecated: use check_micro_batch_size"
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="micro_batch_size=6"):
         check_global_batch(6, 4)
 
