@@ -324,7 +324,8 @@ def summary(seconds: float | None, jobs: int, globs: list):
             command = f"{head} '{rest[0]} ... ({len(rest) - 1} more names: summary.json)"
         lines.append(f"- run {k}: commit {r['commit']}, `{command}`" if command else
                      f"- run {k}: commit {r['commit']}, {r.get('where', '')}")
-        lines[-1] += (f" on a {r['where']}{took}" if r.get("command") else took) + f": {what}{again}"
+        body = what + again if what else again.lstrip("; ")  # a run that only judged some mutants again
+        lines[-1] += (f" on a {r['where']}{took}" if r.get("command") else took) + f": {body}"
     lines += ["", "score = (killed + timeout + gpu_killed) / (mutants - equivalent - not checked): every other "
               "survivor counts against it, reviewed or not. gpu_killed: CUDA-only survivors of the CPU run that the "
               "GPU checks kill (`ci/mutation_gpu.py`, `gpu_killed.txt`). Reviewed survivors (one category each; lists in ci/mutation/): "
