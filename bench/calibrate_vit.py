@@ -73,7 +73,7 @@ class Timer:
         vit = mb["modality_inputs"]["images"]["vit"]
         patches = vit["hidden_states"].to(self.device, self.dtype)
         thw = vit["grid_thw"].cpu()
-        for k in range(self.warm + 1):
+        for _ in range(self.warm + 1):  # the last pass is the timed one
             self.sync()
             t = time.perf_counter()
             if len(thw):

@@ -213,14 +213,14 @@ def legacy_open(path: str, row: dict, reviewed: dict) -> dict | None:
     return {n: "survived" for n in names}
 
 
-def counted(row: dict, reviewed: dict, survivors: list, stale: list) -> dict:
-    """The row's counts, its surviving mutants sorted into the reviewed categories as the lists stand."""
+def counted(row: dict, reviewed: dict, gpu: dict, survivors: list, stale: list) -> dict:
+    """The row's counts, its surviving mutants sorted into the reviewed categories as the lists stand
+    (`gpu`: the CUDA-only survivors the GPU checks killed, gpu_killed.txt)."""
     out = {k: row.get(k, 0) for k in COUNTS}
     if row.get("open") is None:   # the file's mutants are no longer what that run judged: counts as they were
         return out
     for k in COUNTS[3:-1]:
         out[k] = 0
-    gpu = read_list(OUT / "gpu_killed.txt")
     for name, status in sorted(row["open"].items()):
         if name in gpu and gpu[name][0] == fingerprint(diff_of(name)):  # a GPU check kills it
             out["gpu_killed"] += 1
@@ -251,6 +251,7 @@ def summary(seconds: float | None, jobs: int, globs: list):
     files = mutated_files()
     data = verdicts()
     reviewed = read_reviewed()
+    gpu = read_list(OUT / "gpu_killed.txt")
     previous = json.loads((OUT / "summary.json").read_text()) if (OUT / "summary.json").exists() else {}
     runs = dict(previous.get("runs", {}))
     old_rows = previous.get("files", {})
@@ -292,7 +293,7 @@ def summary(seconds: float | None, jobs: int, globs: list):
         rows[path] = row
     out_rows = {}
     for path, row in rows.items():
-        c = counted(row, reviewed, survivors, stale)
+        c = counted(row, reviewed, gpu, survivors, stale)
         out_rows[path] = {**c, "score": score(c), "cpu_score": cpu_score(c), "run": row["run"], **({"again": row["again"]} if row.get("again")
                                                                       else {}), "open": row["open"]}
     total = {k: sum(r[k] for r in out_rows.values()) for k in COUNTS}

@@ -39,7 +39,7 @@ def test_grid_refuses_a_bad_size(size):
         f"size={size!r} is invalid: the canonical grid size G must be an integer >= 1"
 
 
-def warned_at(call, line: int, fn) -> None:
+def warned_at(call, line: int, fn) -> str:
     """`call()` warns once, at the caller's line: `line` of this file, or, where `fn` runs inside a
     wrapper (a mutation run wraps functions in mutmut's trampoline), where that wrapper calls what it
     wraps, the place a stacklevel=2 warning of every wrapped function names (check_global_batch's)."""
