@@ -3,8 +3,9 @@ buffers live on the device (some off their word alignment), in pinned host memor
 kernel by address) or in pageable host memory (summed by torch ops and added in), with pieces large
 enough to span many programs; the torch ops on the device agree with them on the host; a flipped
 byte changes exactly its (sample, field) sum; dp-1 windows through the exchanger with verify=1 pass
-with the kernel summing both sides, a byte the executor flips is caught at the next window; and the
-kernel compiled once (table offsets multiples of 16 and not).
+with the kernel summing both sides, a byte the executor flips is caught at the next window; a checked
+window returns with a long kernel still queued ahead of it (no wait for the device); and the kernel
+compiled once (table offsets multiples of 16 and not).
 
   python functional_tests/checksum_cuda.py [--windows 200]
   TRITON_INTERPRET=1 python functional_tests/checksum_cuda.py --rehearse --windows 10   # on the CPU
@@ -193,6 +194,37 @@ def check_exchanges(args, dev) -> int:
     return bad
 
 
+def check_no_wait(args, dev) -> int:
+    """A checked window waits for nothing on the device: with a long kernel queued ahead of it on the
+    current stream (`torch.cuda._sleep`), `exchange` returns while that kernel still runs, with the
+    check on every window as with it off (its sums reach the host behind the window's work and are
+    read at the next window). Not on the CPU (no stream to wait for)."""
+    if args.rehearse:
+        print("no-wait check: not on the CPU (no device stream)", flush=True)
+        return 0
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    rng, bad = np.random.default_rng(4), 0
+    stream = torch.cuda.current_stream(dev)
+    for verify in (0, 1):
+        ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev,
+                             verify=verify)
+        waited, moved = [], 0
+        for k in range(6):
+            g = syn.pin(syn.make_global_batch(rng, 8, 512, features=24, mix="large", first_id=8 * k))
+            torch.cuda.synchronize(dev)
+            if k:  # window 0 compiles and compares the kernel with the torch ops once: it may wait
+                torch.cuda._sleep(400_000_000)  # ~0.2 s of device time ahead of the window
+            _, report = ex.exchange([g])
+            if k:
+                waited.append(stream.query())  # True: the host waited for the sleeping kernel
+                moved += int((report.orders != np.arange(report.orders.shape[1])).any())
+        ex.exchange([])
+        bad += sum(waited) + int(not moved)
+        print(f"no-wait check, verify={verify}: {sum(waited)} of {len(waited)} windows waited for the device "
+              f"(windows reordered: {moved} of {len(waited)})", flush=True)
+    return bad
+
+
 def compiled_variants(kernel) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
@@ -213,7 +245,7 @@ def main() -> int:
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
     offsets = set()
-    bad = check_windows(args, dev, offsets) + check_exchanges(args, dev)
+    bad = check_windows(args, dev, offsets) + check_exchanges(args, dev) + check_no_wait(args, dev)
     from reorder.batch.triton_checksum import checksum_pieces
 
     variants = 1 if args.rehearse else compiled_variants(checksum_pieces)

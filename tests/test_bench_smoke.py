@@ -232,7 +232,7 @@ def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
     """bench/verify_cost.py at toy size on the CPU, both checksum paths: a row per setting and path
     (off once), finite host times, the kernel never launched off CUDA, every checked window summed."""
     out = tmp_path / "verify.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "4",
+    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
            "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1",
            "--paths", "kernel,torch", "--json", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,

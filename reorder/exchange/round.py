@@ -118,6 +118,8 @@ class _Pending:
     outgoing: Outgoing | None = None
     skipped: bool = False
     checked: bool = False  # the self-check covers this window
+    sent: torch.Tensor | None = None  # checked: this rank's sums of what it read [W, B/dp, CHECKED_FIELDS]
+    sums: np.ndarray | None = None  # the last checked window's sums, sent in this window's frame
     made: dict | None = None  # output slot -> its assembled buffers (slots not kept)
 
 
@@ -149,9 +151,9 @@ class WindowRound:
         self.local_batch = micro_batch_size // grid.dp
         self.backoff = Backoff(gate_backoff)
         self.verify = verify
-        self._sum_words = CHECKED_FIELDS if verify else 0
+        self._sum_words = 2 * CHECKED_FIELDS if verify else 0  # per sample: the sender's sums, the receiver's
         self._windows = 0  # windows read so far (planned or skipped): the self-check's schedule
-        self._check = None  # the last checked window's comparison, read at the next `read`
+        self._check = None  # the last checked window's sums, sent in the next window frame
         self.agreed = grid.dp == 1  # the DP group's config frames matched (nothing to agree on alone)
         self._paths = None  # per-sample field paths of the last planned window (moved in skipped windows)
         self._executors = {}
@@ -203,30 +205,26 @@ class WindowRound:
         self._now = now = _Pending(list(batches), [("start", t0)])
         now.checked = bool(self.verify) and self._windows % self.verify == 0
         self._windows += 1
-        if self.backoff.skip:  # no collective: a failed check waits for the next planned window
-            if not now.batches and self._check is not None:  # ... unless the stream ends first
-                failed = self._checked_before()
-                if failed is not None:
-                    raise ReorderError(f"reorder failed on rank {self.grid.rank}: {failed}")
-            return self._read_skipped(error)
-        failed_check = self._checked_before()
-        if failed_check is not None:  # travels like a rank's bad input: every rank raises it
-            now.error = failed_check
-        elif error is not None:
+        if self.backoff.skip:  # no collective; a skip follows fully gated windows only, which move nothing
+            return self._read_skipped(error)  # and so leave no checked window's sums waiting
+        if error is not None:
             now.error = f"data source raised {type(error).__name__}: {error}"
         else:
             try:
                 now.window = self._prepare(now.batches)
             except (ValueError, TypeError, KeyError, IndexError) as e:
                 now.error = str(e)
-        sums = self._sent_sums(now.window) if now.checked and now.window is not None else None
+        now.sums = self._check_words()
         self._mark("prepare")
         window = now.window
         now.signature = "" if window is None else window.layout.signature()
         frame = np.zeros(wire.window_words(self.window_size, self.local_batch, len(COLUMNS), self._sum_words),
                          dtype=np.int64)
+        counts = None if window is None else window.counts.table
+        if counts is None and now.sums is not None:  # the sums of the last checked window still travel
+            counts = np.zeros((0, self.local_batch, len(COLUMNS)), dtype=np.int64)
         return wire.encode_window(frame, error=now.error, slots=len(now.batches), layout=now.signature,
-                                  counts=None if window is None else window.counts.table, sums=sums)
+                                  counts=counts, sums=now.sums)
 
     def gathered(self, frames: np.ndarray) -> np.ndarray | None:
         """Take every rank's window frame [dp, words] (the all-gather of `read`'s). Returns the text
@@ -287,7 +285,7 @@ class WindowRound:
         out = self._assemble(now, [received] + now.sources)
         self._mark("assemble", now)
         if now.checked:
-            self._check = self._compare(now)
+            self._check = self._checked(now)
         sent = 0 if now.outgoing is None else len(now.outgoing.buffer)
         return out, WindowReport.of(plan, sent_bytes=sent, plan_ms=now.plan_ms, marks=now.marks)
 
@@ -375,6 +373,10 @@ class WindowRound:
         """Every rank's frames (and whole texts) → the same error everywhere, or this rank's plan,
         move list, placement and sources."""
         now = self._now
+        if now.sums is not None:  # before the window's own problems: a corrupted window is the worse news
+            failed = self._compared(now.frames)
+            if failed is not None:
+                raise ReorderError(failed)
         problem, signatures = wire.window_problem(now.frames, texts)
         if problem is not None:
             raise ReorderError(problem)
@@ -392,6 +394,8 @@ class WindowRound:
         if plan.shadow or plan.natural:
             return
         now.moves = build_moves(byte_fields(layout), counts, plan, self.grid.rank)
+        if now.checked:  # before the executor's kernels read the same sources (on the same stream)
+            now.sent = self._sent_sums(now.window)
         now.placement, now.sources = self._sources(layout, now.window)
 
     @staticmethod
@@ -468,54 +472,64 @@ class WindowRound:
 
     # ---- the self-check ---------------------------------------------------------------------------
 
-    def _sent_sums(self, window: _Window) -> np.ndarray:
+    def _sent_sums(self, window: _Window) -> torch.Tensor:
         """int64 [W, B/dp, CHECKED_FIELDS]: this rank's checksums of the samples it read, where it
-        read them (on CUDA one kernel launch for the window; one host copy when they live on a device)."""
+        read them (on CUDA one kernel launch for the window, on the target device; nothing waits)."""
         layout = window.layout.resolved()  # "any" fields hold as many rows as images: the same regions
         parts = [(field_buffers(layout, shard, blobs), SampleCounts(window.counts.table[s]))
                  for s, (shard, blobs) in enumerate(zip(window.shards, window.blobs))]
-        sums = window_checksums(parts, byte_fields(layout), self._target(window)).cpu()
-        return sums.view(len(parts), -1, CHECKED_FIELDS).numpy()
+        sums = window_checksums(parts, byte_fields(layout), self._target(window))
+        return sums.view(len(parts), -1, CHECKED_FIELDS)
 
-    def _compare(self, now: _Pending) -> "_Check":
-        """This rank's checksums of what it assembled against the senders', as a pending comparison
-        (on the target device; read back without a host synchronization of its own at the next
-        `read`)."""
-        layout, moves, plan, b = now.layout, now.moves, now.plan, self.local_batch
+    def _checked(self, now: _Pending) -> "_Check":
+        """The checked window's sums, both sides: what this rank read (`now.sent`) and what it
+        assembled, on their way to the host (read at the next `read`, without a wait of their own by
+        then: the device has long passed them)."""
+        layout, moves, b = now.layout, now.moves, self.local_batch
         fields, dev = byte_fields(layout), now.placement.target
-        slots = len(now.batches)
-        sent = wire.sums_of(now.frames, slots, b, len(COLUMNS), CHECKED_FIELDS)
-        natural = plan.orders[:, self.grid.rank * b:(self.grid.rank + 1) * b]  # [W, b] natural index per output
-        want = np.stack([sent[s, natural[s]] for s in range(slots)])
-        parts, nf = [], len(fields)
+        slots, nf = len(now.batches), len(fields)
+        parts = []
         for s in range(slots):
             if moves.kept[s]:
                 parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
             else:
                 parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
-        got = window_checksums(parts, fields, dev).to(dev).view(slots, b, CHECKED_FIELDS)  # one launch on CUDA
-        differs = (got != torch.from_numpy(want).to(dev, non_blocking=True)).to(torch.uint8)
-        return _Check(window=self._windows - 1, natural=natural, names=_field_names(layout), differs=differs,
-                      event=_recorded(differs))
+        got = window_checksums(parts, fields, dev).view(slots, b, CHECKED_FIELDS)  # one launch on CUDA
+        both, event = torch.cat([now.sent.to(got.device), got], dim=-1), None
+        if both.is_cuda:  # copied into pinned memory behind the kernels; the event says when it landed
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            both, event = host, _recorded(both.device)
+        return _Check(window=self._windows - 1, orders=now.plan.orders[:slots], names=_field_names(layout),
+                      sums=both, event=event)
 
-    def _checked_before(self) -> str | None:
-        """The error text of the last checked window when this rank's bytes differed from the
-        senders', else None (the comparison is long done by now: one window later)."""
-        check, self._check = self._check, None
-        if check is None:
+    def _check_words(self) -> np.ndarray | None:
+        """int64 [W, B/dp, 2 * CHECKED_FIELDS] of the last checked window (the sender's sums, then the
+        receiver's) for this window's frame, or None when no checked window waits."""
+        if self._check is None:
             return None
-        if check.event is not None:
-            check.event.synchronize()
-        bad = np.argwhere(check.differs.cpu().numpy())
+        if self._check.event is not None:
+            self._check.event.synchronize()
+        return self._check.sums.numpy()
+
+    def _compared(self, frames: np.ndarray) -> str | None:
+        """Every rank's sums of the last checked window, from the gathered frames: every rank compares
+        what each rank assembled with what its senders read, alike, so the error text (the first
+        mismatch, else None) is the same on every rank."""
+        check, self._check = self._check, None
+        b, f = self.local_batch, CHECKED_FIELDS
+        sums = wire.sums_of(frames, len(check.orders), b, len(COLUMNS), self._sum_words)  # [W, B, 2F]
+        sent, got = sums[..., :f], sums[..., f:]
+        want = np.take_along_axis(sent, check.orders[..., None], axis=1)  # output position p: its natural sample
+        bad = np.argwhere(got != want)
         if not len(bad):
             return None
-        s, j, slot = (int(x) for x in bad[0])
-        i = int(check.natural[s, j])
-        b = self.local_batch
-        field = check.names[slot] if slot < CHECKED_FIELDS - 1 else "one of " + ", ".join(check.names[slot:])
-        return (f"self-check failed: window {check.window}, micro-batch {s}: the sample this rank holds at position "
-                f"{j} (natural position {i} of the global micro-batch, read by rank {i // b}) differs in field "
-                f"{field!r} from what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
+        s, p, slot = (int(x) for x in bad[0])
+        i = int(check.orders[s, p])
+        field = check.names[slot] if slot < f - 1 else "one of " + ", ".join(check.names[slot:])
+        return (f"self-check failed: window {check.window}, micro-batch {s}: rank {p // b} holds at position {p % b} "
+                f"the sample of natural position {i} (read by rank {i // b}), and it differs in field {field!r} from "
+                f"what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
 
     # ---- windows the gate backoff skips -----------------------------------------------------------
 
@@ -561,23 +575,22 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
 
 @dataclass
 class _Check:
-    """A checked window's comparison: differs [W, b, CHECKED_FIELDS] (uint8, on the target device),
-    the event after which it is readable (None on the CPU), the natural index of each output sample,
-    and the field names by checksum slot."""
+    """A checked window whose sums wait for the next window frame: sums [W, B/dp, 2 * CHECKED_FIELDS]
+    (the sender's, then the receiver's; a host tensor), the event after which they are readable
+    (None when no device wrote them), the window's canonical orders [W, B] and the field names by
+    checksum slot."""
 
     window: int
-    natural: np.ndarray
+    orders: np.ndarray
     names: list
-    differs: torch.Tensor
+    sums: torch.Tensor
     event: object
 
 
-def _recorded(t: torch.Tensor):
-    """A CUDA event recorded after the work that writes `t` (None for a host tensor)."""
-    if not t.is_cuda:
-        return None
+def _recorded(device: torch.device):
+    """A CUDA event recorded on `device`'s current stream (after the work enqueued there so far)."""
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))
+    event.record(torch.cuda.current_stream(device))
     return event
 
 

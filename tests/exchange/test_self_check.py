@@ -1,9 +1,11 @@
-"""The runtime self-check (verify=N): senders' per-sample, per-field checksums travel in the window
-frame, receivers check what they assembled, and a mismatch raises the same ReorderError on every
-rank of the group at the next window (here: the end of the stream), naming window, micro-batch,
-sample, field and source rank. Executors that flip a byte, drop a segment or swap two samples are
+"""The runtime self-check (verify=N): each rank's per-sample, per-field checksums of what it read and
+of what it assembled travel in the next window frame, every rank compares all of them alike, and a
+mismatch raises the same ReorderError on every rank of the group at that window (here: the end of
+the stream), naming window, micro-batch, holding rank and position, sample, field and source rank. Executors that flip a byte, drop a segment or swap two samples are
 caught in every module and world shape; a correct executor never is; and the checksum is the same
 on every path (pinned, pageable, device: a property against a plain per-byte loop)."""
+
+import re
 
 import numpy as np
 import pytest
@@ -18,9 +20,11 @@ from reorder.batch.layout import describe
 from reorder.cli import synthetic as syn
 from reorder.cli.synthetic import module_fields
 from reorder.exchange.executors import TorchExecutor
+from reorder.exchange.round import WindowRound
 from reorder.integrations.megatron import select_fields
+from reorder.plan import wire
 from reorder.plan.checksums import CHECKED_FIELDS, word_width
-from reorder.plan.counts import SampleCounts
+from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.grid import canonical_grid
 from reorder.plan.segments import Segments
 
@@ -99,8 +103,13 @@ def test_a_faulty_executor_is_caught_on_every_rank(dps, module, fault):
     assert all(isinstance(e, ReorderError) for e in seen), seen
     msg = str(seen[0])
     assert len({str(e) for e in seen}) == 1  # the same error on every rank of the group
-    assert "self-check failed: window 0, micro-batch 0: the sample this rank holds at position" in msg, msg
-    assert " read by rank " in msg and " differs in field '" in msg
+    m = re.fullmatch(r"self-check failed: window 0, micro-batch 0: rank (\d+) holds at position (\d+) the sample of "
+                     r"natural position (\d+) \(read by rank (\d+)\), and it differs in field '[^']+' from what rank "
+                     r"(\d+) read \(\d+ \(sample, field\) checksum\(s\) differ\)", msg)
+    assert m, msg
+    holder, pos, natural, reader, again = map(int, m.groups())
+    b = 2 * canonical_grid([dps[0], dps[1]]) // dp
+    assert holder < dp and pos < b and reader == again == natural // b
     other = res["language" if module == "vision" else "vision"]
     assert all(not isinstance(r, BaseException) for r in other)
 
@@ -203,3 +212,44 @@ def test_without_the_check_the_same_fault_passes_silently():
     catches them."""
     res = stream({"vision": 2, "language": 4}, seed=13, faulty=("language", 3), fault="flip", verify=0)
     assert all(not isinstance(r, BaseException) for rs in res.values() for r in rs), res
+
+
+def exchange_by_hand(rounds, windows):
+    """Drive every rank's WindowRound through one window (`windows[r]`: rank r's micro-batches; [] ends
+    the stream), carrying the frames and the all_to_all by hand. Returns (every rank's window frame,
+    every rank's (micro-batches, report))."""
+    frames = np.stack([rd.read(w) for rd, w in zip(rounds, windows)])
+    for rd in rounds:
+        assert rd.gathered(frames) is None
+    out = [rd.pack() for rd in rounds]
+    received = [None] * len(rounds)
+    if any(o is not None for o in out):
+        chunks = [list(torch.split(o.buffer, o.send_splits)) for o in out]
+        received = [torch.cat([chunks[q][r] for q in range(len(rounds))]) for r in range(len(rounds))]
+    return frames, [rd.finish(got) for rd, got in zip(rounds, received)]
+
+
+def test_a_checked_window_s_sums_travel_in_the_next_frame():
+    """Window 0's sums ride in the next window frame (here the end of the stream's), not in its own:
+    each rank's sums of the samples it read, in natural order, then of what it assembled, in output
+    order, each the documented sum (`spec_checksums`) of that sample's bytes."""
+    n, dp = 4, 2
+    g = syn.make_global_batch(np.random.default_rng(5), n, 24, features=3, mix="large", first_id=0, scale=0.05)
+    rounds = [WindowRound(grid=Grid(size=2, dp=dp, rank=r), micro_batch_size=n, cost=COST, balancer="lpt", verify=1)
+              for r in range(dp)]
+    config = np.stack([rd.config_frame() for rd in rounds])
+    for rd in rounds:
+        rd.agree(config)
+    first, results = exchange_by_hand(rounds, [[syn.rank_share(g, dp, r)] for r in range(dp)])
+    report = results[0][1]
+    assert report.moved_samples > 0  # the window moves samples between the ranks
+    words = 2 * CHECKED_FIELDS
+    assert not wire.sums_of(first, 1, n // dp, len(COLUMNS), words).any()  # nothing checked before window 0
+    last, _ = exchange_by_hand(rounds, [[] for _ in range(dp)])
+    sums = wire.sums_of(last, 1, n // dp, len(COLUMNS), words)[0].view(np.uint64)  # [n, 2F]
+    layout = describe(g, n, vision_start_token_id=syn.VISION_START)[0].resolved()
+    names = [p[-1] for p in [f.path for f in layout.dense] + [f.path for f in layout.ragged]]
+    order = [(name, word_width(kind, unit)) for name, (kind, pre, unit) in zip(names, byte_fields(layout))]
+    want = spec_checksums(g, n, order)
+    assert (sums[:, :CHECKED_FIELDS] == want).all()
+    assert (sums[:, CHECKED_FIELDS:] == want[report.orders[0]]).all()
