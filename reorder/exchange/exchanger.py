@@ -37,11 +37,11 @@ class WindowExchanger:
     sample_costs: `micro-batch -> B/dp finite costs >= 0`, used instead of the cost model (from fields
     every module holds, so every module plans alike); they travel bit for bit in the window frame.
     image_counts: `micro-batch -> B/dp image counts`, instead of counting vision-start tokens.
-    verify: the runtime self-check, 0 (off), 1 (every window) or N (every N-th): each sender's
-    per-sample, per-field checksums travel in the window frame; each receiver checks what it
-    assembled against them, and a mismatch raises ReorderError on every rank of the group at the
-    next window (or at the end of the stream), naming window, micro-batch, sample, field and source
-    rank (`reorder.batch.checksum`).
+    verify: the runtime self-check, 0 (off), 1 (every window) or N (every N-th): each rank's
+    per-sample, per-field checksums of what it read and of what it assembled travel in the next
+    window frame; every rank compares them alike, and a mismatch raises ReorderError on every rank of
+    the group at that window (or at the end of the stream), naming window, micro-batch, holding rank,
+    sample, field and source rank (`reorder.batch.checksum`). Nothing waits for the device.
     """
 
     def __init__(self, *, grid: Grid, micro_batch_size: int, cost: CostModel, balancer: str = "balanced",

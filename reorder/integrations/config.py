@@ -367,9 +367,10 @@ def add_reorder_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="after k planned windows in a row kept natural by the gate, skip the next "
                         "min(2^(k-1), N) windows without planning or communicating (0: off)")
     g.add_argument("--reorder-verify", dest="megatron_mimo_reorder_verify", type=int, default=d.verify,
-                   help="runtime self-check: per-sample checksums travel with each window and every receiver "
-                        "checks what it assembled; a mismatch stops every rank of the group with the window, "
-                        "sample, field and source rank (0: off, 1: every window, N: every N-th)")
+                   help="runtime self-check: per-sample checksums of what each rank read and of what it assembled "
+                        "travel with the next window and every rank compares them; a mismatch stops every rank of "
+                        "the group with the window, sample, field and source rank (0: off, 1: every window, N: "
+                        "every N-th)")
     g.add_argument("--reorder-calibrate", dest="megatron_mimo_reorder_calibrate", default=d.calibrate,
                    choices=_CALIBRATE_MODES,
                    help="online cost calibration from measured step times (buf.timed_step()): off, shadow "

@@ -10,8 +10,9 @@ Two frames, both gathered over the module's DP group with one all-gather each:
   window, CRC-32 of the batch layout signature, the text's length in bytes), the first `TEXT_BYTES`
   of the text (the error message, else the layout signature), the counts, `window_size x B/dp x
   Column` int64 (zeros past the window's micro-batches), and with the self-check on (config
-  `verify`) the senders' checksums, `window_size x B/dp x CHECKED_FIELDS` int64 (zeros in windows
-  not checked). Its size depends on the config, which the config frame has already shown to match;
+  `verify`) the rank's checksums of the last checked window, of what it read and of what it
+  assembled, `window_size x B/dp x 2 CHECKED_FIELDS` int64 (zeros when no checked window waits).
+  Its size depends on the config, which the config frame has already shown to match;
 - the **text frame**, only after a window frame in which some rank's text was longer than
   `TEXT_BYTES`: every rank's whole text, `long_text_words` words each (every rank computes the same
   size from the gathered window frames), so errors and layout signatures never arrive cut off.

@@ -7,6 +7,8 @@ on every path (pinned, pageable, device: a property against a plain per-byte loo
 
 import re
 
+import expecttest
+
 import numpy as np
 import pytest
 import torch
@@ -253,3 +255,9 @@ def test_a_checked_window_s_sums_travel_in_the_next_frame():
     want = spec_checksums(g, n, order)
     assert (sums[:, :CHECKED_FIELDS] == want).all()
     assert (sums[:, CHECKED_FIELDS:] == want[report.orders[0]]).all()
+
+
+class TestMessage(expecttest.TestCase):
+    def test_the_error_names_window_holder_sample_field_and_reader(self):
+        res = stream({"vision": 2, "language": 4}, seed=13, faulty=("language", 3), fault="flip")
+        self.assertExpectedInline(str(res["language"][0]), """self-check failed: window 0, micro-batch 0: rank 2 holds at position 0 the sample of natural position 7 (read by rank 3), and it differs in field 'input_ids' from what rank 3 read (1 (sample, field) checksum(s) differ)""")
