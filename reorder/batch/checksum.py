@@ -30,7 +30,7 @@ import torch
 
 from reorder.batch.keepalive import KeepAlive
 from reorder.plan.checksums import CHECKED_FIELDS, field_slot, word_width
-from reorder.plan.counts import SampleCounts
+from reorder.plan.counts import COLUMNS, SampleCounts
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -257,17 +257,17 @@ def launch_table(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     its words are cut into programs of `chunk` words. The output index is sample * CHECKED_FIELDS +
     the field's slot, samples numbered part after part. `alloc(size)` gives the int64 array to fill
     (default np.empty). ValueError for a buffer smaller than its counts say."""
-    rows = []
+    groups = []  # (part, field number, ByteField, buffer, counts table [m, columns], first sample)
     at = 0
     for p, (bufs, counts) in enumerate(parts):
-        m = counts.shape[0]
         if len(bufs) != len(fields):
             raise ValueError(f"part {p} has {len(bufs)} buffers for {len(fields)} fields")
-        for f, (field, buf) in enumerate(zip(fields, bufs)):
-            if m and readable[p][f]:
-                rows.append(_pieces(p, f, field, buf, counts, at))
-        at += m
-    pieces = np.concatenate(rows, axis=1) if rows else np.zeros((7, 0), dtype=np.int64)
+        table = counts.table
+        if len(table):
+            groups += [(p, f, field, buf, table, at) for f, (field, buf) in enumerate(zip(fields, bufs))
+                       if readable[p][f]]
+        at += len(table)
+    pieces = _pieces(groups)
     pieces = pieces[:, pieces[3] > 0]  # pieces with words
     per = (pieces[3] + chunk - 1) // chunk
     first = np.cumsum(per) - per
@@ -283,32 +283,48 @@ def launch_table(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     return out, programs
 
 
-def _pieces(p: int, f: int, field: tuple, buf: torch.Tensor, counts: SampleCounts, at: int) -> np.ndarray:
-    """int64 [7, n]: the pieces (one per sample; see `launch_table`) of field f of part p, whose
-    samples are numbered from `at`."""
-    kind, pre, unit = field
-    m = counts.shape[0]
-    width = word_width(kind, unit)
-    j = np.arange(m, dtype=np.int64)
-    if kind == "dense":
-        entries = np.full(m, pre, dtype=np.int64)
-        size = np.full(m, unit, dtype=np.int64)  # bytes per entry
-        start, stride, need = j * unit, np.full(m, m * unit, dtype=np.int64), pre * m * unit
-    else:
-        if kind == "list":
-            size = np.asarray(counts.list_bytes, dtype=np.int64)
-            entries = (size > 0).astype(np.int64)
-        else:
-            entries = np.asarray(counts.rows if kind == "row" else counts.images, dtype=np.int64)
-            size = np.full(m, unit, dtype=np.int64)
-        held = entries * size
-        start, stride, need = np.cumsum(held) - held, size, int(held.sum())
-    if buf.nbytes < need:
-        raise ValueError(f"field {f} of part {p}: its buffer holds {buf.nbytes} bytes, its counts need {need}")
-    salt = max(0, f - (CHECKED_FIELDS - 1)) << 32
-    return np.stack([buf.data_ptr() + start, stride, size // width, entries * (size // width),
-                     np.full(m, width, dtype=np.int64), np.full(m, salt, dtype=np.int64),
-                     (at + j) * CHECKED_FIELDS + field_slot(f)])
+_ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"), "list": COLUMNS.index("list_bytes")}
+
+
+def _pieces(groups: list) -> np.ndarray:
+    """int64 [7, pieces]: the pieces (see `launch_table`) of every (part, field) of `groups`, one per
+    sample, group after group, in one pass of array operations over all of them."""
+    if not groups:
+        return np.zeros((7, 0), dtype=np.int64)
+    m = np.array([len(t) for *_, t, _ in groups], dtype=np.int64)
+    kinds = [field.kind for _, _, field, *_ in groups]
+    dense = np.array([k == "dense" for k in kinds])
+    listed = np.array([k == "list" for k in kinds])
+    pre = np.array([field.pre for _, _, field, *_ in groups], dtype=np.int64)
+    unit = np.array([field.unit for _, _, field, *_ in groups], dtype=np.int64)
+    width = np.array([word_width(k, u) for k, u in zip(kinds, unit.tolist())], dtype=np.int64)
+    salt = np.array([max(0, f - (CHECKED_FIELDS - 1)) << 32 for _, f, *_ in groups], dtype=np.int64)
+    slot = np.array([field_slot(f) for _, f, *_ in groups], dtype=np.int64)
+    ptr = np.array([buf.data_ptr() for _, _, _, buf, _, _ in groups], dtype=np.int64)
+    first = np.array([at for *_, at in groups], dtype=np.int64)
+    # per sample: its group, its index in its part, and a ragged field's entries (list: its bytes)
+    g = np.repeat(np.arange(len(groups)), m)
+    starts = np.cumsum(m) - m
+    j = np.arange(len(g), dtype=np.int64) - starts[g]
+    held_by = np.concatenate([t[:, _ENTRY_COLUMN[k]] if k != "dense" else np.zeros(len(t), dtype=np.int64)
+                              for k, (*_, t, _) in zip(kinds, groups)])
+    size = np.where(listed[g], held_by, unit[g])  # bytes per entry
+    entries = np.where(dense[g], pre[g], np.where(listed[g], held_by > 0, held_by))
+    held = entries * size
+    total = np.add.reduceat(held, starts)  # a ragged field's bytes (groups hold >= 1 sample)
+    need = np.where(dense, pre * m * unit, total)
+    nbytes = np.array([buf.nbytes for _, _, _, buf, _, _ in groups], dtype=np.int64)
+    short = np.flatnonzero(nbytes < need)
+    if len(short):
+        p, f, *_ = groups[short[0]]
+        raise ValueError(f"field {f} of part {p}: its buffer holds {nbytes[short[0]]} bytes, its counts need "
+                         f"{need[short[0]]}")
+    before = np.cumsum(held) - held
+    start = np.where(dense[g], j * unit[g], before - before[starts][g])
+    stride = np.where(dense[g], m[g] * unit[g], np.where(listed[g], size, unit[g]))
+    w = width[g]
+    return np.stack([ptr[g] + start, stride, size // w, entries * (size // w), w, salt[g],
+                     (first[g] + j) * CHECKED_FIELDS + slot[g]])
 
 
 _HELD = KeepAlive()  # one per process: every round and thread (an overlap worker too) launches
