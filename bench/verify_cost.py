@@ -14,7 +14,10 @@ both by default; elsewhere `kernel` alone (there it is the torch ops).
                                            [--paths kernel,torch] [--json F]
 
 Prints one row per setting and path: median host ms per window, mean device ms per window (CUDA
-events), the ratio to off, and how many of the row's checksum calls the kernel served; writes JSON."""
+events), the ratio to off, and how many of the row's checksum calls the kernel served; then the
+check's host time part by part (mean µs per timed window of each checked row: the sender's sums, the
+receiver's sums and their copy to the host, within both the launch tables and the kernel paths, the
+read-back at the next window, the comparison); writes JSON."""
 
 from __future__ import annotations
 
@@ -32,6 +35,42 @@ from reorder.cli import synthetic as syn
 from reorder.exchange import round as round_module
 
 SETTINGS = {"off": 0, "every 100th": 100, "every window": 1}
+# the check's host parts: name -> (owner, attribute) timed in place
+PARTS = {"sender sums": (round_module.WindowRound, "_sent_sums"),
+         "receiver sums + copy": (round_module.WindowRound, "_checked"),
+         "launch tables (both)": (checksum, "launch_table"),
+         "kernel paths (both)": (checksum, "kernel_checksums"),
+         "read-back": (round_module.WindowRound, "_check_words"),
+         "comparison": (round_module.WindowRound, "_compared")}
+
+
+class Parts:
+    """Host seconds spent in each of PARTS, per row (`row`: the row being timed, None when untimed)."""
+
+    def __init__(self):
+        self.row, self.seconds, self._saved = None, {}, []
+
+    def __enter__(self):
+        for part, (owner, attr) in PARTS.items():
+            fn = getattr(owner, attr)
+            self._saved.append((owner, attr, fn))
+            setattr(owner, attr, self._timed(part, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, fn in self._saved:
+            setattr(owner, attr, fn)
+
+    def _timed(self, part, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.row is not None:
+                    into = self.seconds.setdefault(self.row, {})
+                    into[part] = into.get(part, 0.0) + time.perf_counter() - t0
+        return timed
 
 
 class Path:
@@ -90,10 +129,13 @@ def main():
     impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
     device = {name: [] for name in ex}
+    parts = Parts()
     try:
+        parts.__enter__()
         for k in range(args.windows + args.warmup):
             for name, e in ex.items():
                 round_module.window_checksums = impl[name]
+                parts.row = name if k >= args.warmup else None
                 b = batches[k % len(batches)]
                 if cuda:
                     torch.cuda.synchronize(dev)
@@ -110,6 +152,7 @@ def main():
                     if cuda:
                         device[name].append(start.elapsed_time(end))
     finally:
+        parts.__exit__()
         round_module.window_checksums = checksum.window_checksums
     out_rows = {}
     off_h = float(np.median(host["off"]))
@@ -119,13 +162,21 @@ def main():
         d = float(np.mean(device[name])) if cuda else None
         out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
                               device_ratio=None if d is None else d / off_d, checksum_calls=impl[name].calls,
-                              kernel_calls=impl[name].kernel)
+                              kernel_calls=impl[name].kernel,
+                              host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
+                                               for part in PARTS} if n else None)
     print(f"{'self-check':24} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7} {'kernel sums':>12}")
     for name, r in out_rows.items():
         dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
         dra = "-" if r["device_ratio"] is None else f"{r['device_ratio']:.3f}"
         print(f"{name:24} {r['host_ms']:9.3f} {r['host_ratio']:7.3f} {dms:>10} {dra:>7} "
               f"{r['kernel_calls']:>5}/{r['checksum_calls']:<6}")
+    checked = [name for name, n, _ in rows if n]
+    print(f"\nhost µs per window, part by part: {'':4}" + "".join(f"{name:>22}" for name in checked))
+    for part in PARTS:
+        print(f"{part:38}" + "".join(f"{out_rows[name]['host_us_by_part'][part]:22.1f}" for name in checked))
+    print(f"{'(median host time over off)':38}"
+          + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):22.1f}" for name in checked))
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
                micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
                windows=args.windows, paths=paths, settings=out_rows)

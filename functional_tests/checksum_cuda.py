@@ -207,14 +207,15 @@ def check_no_wait(args, dev) -> int:
     stream = torch.cuda.current_stream(dev)
     for verify in (0, 1):
         ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev,
-                             verify=verify)
+                             window_size=2, verify=verify)
         waited, moved = [], 0
         for k in range(6):
-            g = syn.pin(syn.make_global_batch(rng, 8, 512, features=24, mix="large", first_id=8 * k))
+            g = [syn.pin(syn.make_global_batch(rng, 8, 512, features=24, mix="small", first_id=16 * k + 8 * i))
+                 for i in range(2)]  # two micro-batches of a window of 2, as in `check_exchanges`: they reorder
             torch.cuda.synchronize(dev)
             if k:  # window 0 compiles and compares the kernel with the torch ops once: it may wait
                 torch.cuda._sleep(400_000_000)  # ~0.2 s of device time ahead of the window
-            _, report = ex.exchange([g])
+            _, report = ex.exchange(g)
             if k:
                 waited.append(stream.query())  # True: the host waited for the sleeping kernel
                 moved += int((report.orders != np.arange(report.orders.shape[1])).any())

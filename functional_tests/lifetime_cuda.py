@@ -19,8 +19,10 @@ dp = world size (ranks beyond the GPU count share them: bench.common.rank_device
   torchrun --nproc-per-node 4 functional_tests/lifetime_cuda.py
   python functional_tests/lifetime_cuda.py --defect   # the self-check must catch the defect put back
 
---defect puts the lifetime defect back (the Triton executors made from then on hold nothing; the
-self-check's own holder is untouched) and runs the exchanger cases with the runtime self-check on
+--defect puts the lifetime defect back (the Triton executors made from then on hold nothing, and each
+copy launch is queued behind one more busy kernel, so it runs after the self-check's own read of the
+same sources and that reader's holder has let them go; the self-check's holder is untouched) and runs
+the exchanger cases with the runtime self-check on
 every window (verify=1): the check passes when the self-check raised its ReorderError in at least
 one case (and never another error), so the check users can leave on is shown to catch what this
 suite catches.
@@ -130,6 +132,13 @@ def defect_caught(args, groups, dev, rank: int, world: int):
             pass
 
     executors.KeepAlive = HoldsNothing  # executors made from now on; the self-check's own holder is kept
+    run = executors.TritonExecutor.run
+
+    def late(self, *a, **k):  # the copy runs late after the self-check's own read of the same sources too,
+        torch.cuda._sleep(args.sleep)  # whose holder then no longer keeps them (it would hide the defect)
+        return run(self, *a, **k)
+
+    executors.TritonExecutor.run = late
     caught, other = [], []
     for overlap in (False, True):
         for w in (1, 2, 3, 4):
