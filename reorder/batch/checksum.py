@@ -278,8 +278,8 @@ def launch_table(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     piece_rows = out[2 * programs:].reshape(count, PIECE_WORDS)
     piece_rows[:, :7] = pieces.T
     piece_rows[:, 7] = 0
-    blk[:, 0] = np.repeat(np.arange(count, dtype=np.int64), per)
-    blk[:, 1] = (np.arange(programs, dtype=np.int64) - first[blk[:, 0]]) * chunk
+    blk[:, 0] = np.repeat(np.arange(count), per)
+    blk[:, 1] = (np.arange(programs) - first[blk[:, 0]]) * chunk
     return out, programs
 
 
@@ -288,32 +288,33 @@ _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"),
 
 def _pieces(groups: list) -> np.ndarray:
     """int64 [7, pieces]: the pieces (see `launch_table`) of every (part, field) of `groups`, one per
-    sample, group after group, in one pass of array operations over all of them."""
+    sample, group after group, in one pass of array operations over all of them (a list sample's
+    one entry may hold no bytes: its piece has no words)."""
     if not groups:
         return np.zeros((7, 0), dtype=np.int64)
-    m = np.array([len(t) for *_, t, _ in groups], dtype=np.int64)
+    # numpy's default integer is int64 here: every array below is int64 unless it holds bools
+    m = np.array([len(t) for *_, t, _ in groups])
     kinds = [field.kind for _, _, field, *_ in groups]
     dense = np.array([k == "dense" for k in kinds])
     listed = np.array([k == "list" for k in kinds])
-    pre = np.array([field.pre for _, _, field, *_ in groups], dtype=np.int64)
-    unit = np.array([field.unit for _, _, field, *_ in groups], dtype=np.int64)
-    width = np.array([word_width(k, u) for k, u in zip(kinds, unit.tolist())], dtype=np.int64)
-    salt = np.array([max(0, f - (CHECKED_FIELDS - 1)) << 32 for _, f, *_ in groups], dtype=np.int64)
-    slot = np.array([field_slot(f) for _, f, *_ in groups], dtype=np.int64)
-    ptr = np.array([buf.data_ptr() for _, _, _, buf, _, _ in groups], dtype=np.int64)
-    first = np.array([at for *_, at in groups], dtype=np.int64)
+    pre = np.array([field.pre for _, _, field, *_ in groups])
+    unit = np.array([field.unit for _, _, field, *_ in groups])
+    width = np.array([word_width(k, u) for k, u in zip(kinds, unit.tolist())])
+    salt = np.array([max(0, f - (CHECKED_FIELDS - 1)) << 32 for _, f, *_ in groups])
+    slot = np.array([field_slot(f) for _, f, *_ in groups])
+    ptr = np.array([buf.data_ptr() for _, _, _, buf, _, _ in groups])
+    first = np.array([at for *_, at in groups])
+    nbytes = np.array([buf.nbytes for _, _, _, buf, _, _ in groups])
     # per sample: its group, its index in its part, and a ragged field's entries (list: its bytes)
     g = np.repeat(np.arange(len(groups)), m)
     starts = np.cumsum(m) - m
-    j = np.arange(len(g), dtype=np.int64) - starts[g]
+    j = np.arange(len(g)) - starts[g]
     held_by = np.concatenate([t[:, _ENTRY_COLUMN[k]] if k != "dense" else np.zeros(len(t), dtype=np.int64)
                               for k, (*_, t, _) in zip(kinds, groups)])
     size = np.where(listed[g], held_by, unit[g])  # bytes per entry
-    entries = np.where(dense[g], pre[g], np.where(listed[g], held_by > 0, held_by))
+    entries = np.where(dense[g], pre[g], np.where(listed[g], 1, held_by))
     held = entries * size
-    total = np.add.reduceat(held, starts)  # a ragged field's bytes (groups hold >= 1 sample)
-    need = np.where(dense, pre * m * unit, total)
-    nbytes = np.array([buf.nbytes for _, _, _, buf, _, _ in groups], dtype=np.int64)
+    need = np.add.reduceat(held, starts)  # a field's bytes in its part (groups hold >= 1 sample)
     short = np.flatnonzero(nbytes < need)
     if len(short):
         p, f, *_ = groups[short[0]]
@@ -321,7 +322,7 @@ def _pieces(groups: list) -> np.ndarray:
                          f"{need[short[0]]}")
     before = np.cumsum(held) - held
     start = np.where(dense[g], j * unit[g], before - before[starts][g])
-    stride = np.where(dense[g], m[g] * unit[g], np.where(listed[g], size, unit[g]))
+    stride = np.where(dense[g], m[g] * unit[g], unit[g])  # (a list sample's one entry needs none)
     w = width[g]
     return np.stack([ptr[g] + start, stride, size // w, entries * (size // w), w, salt[g],
                      (first[g] + j) * CHECKED_FIELDS + slot[g]])
