@@ -6,6 +6,7 @@ caught in every module and world shape; a correct executor never is; and the che
 on every path (pinned, pageable, device: a property against a plain per-byte loop)."""
 
 import re
+import threading
 
 import expecttest
 
@@ -261,3 +262,37 @@ class TestMessage(expecttest.TestCase):
     def test_the_error_names_window_holder_sample_field_and_reader(self):
         res = stream({"vision": 2, "language": 4}, seed=13, faulty=("language", 3), fault="flip")
         self.assertExpectedInline(str(res["language"][0]), """self-check failed: window 0, micro-batch 0: rank 2 holds at position 0 the sample of natural position 7 (read by rank 3), and it differs in field 'input_ids' from what rank 3 read (1 (sample, field) checksum(s) differ)""")
+
+
+def test_the_sender_sums_its_sources_before_the_executor_reads_them(monkeypatch):
+    """In a checked window each rank's checksum launch for what it read comes before the window's
+    first executor run (pack, assemble) and the one for what it assembled after the last: on one
+    stream, a copy that reads the sources late is then caught, not hidden by the checksum's hold."""
+    from reorder.exchange import round as round_module
+    events = {}  # rank (its thread) -> what it did, in order
+    sums = round_module.window_checksums
+
+    def recording_sums(parts, fields, device, **kw):
+        events.setdefault(threading.get_ident(), []).append("sums")
+        return sums(parts, fields, device, **kw)
+
+    class Recording(TorchExecutor):
+        def run(self, segments, sources, destinations, held=None):
+            events.setdefault(threading.get_ident(), []).append("run")
+            return super().run(segments, sources, destinations)
+
+    monkeypatch.setattr(round_module, "window_checksums", recording_sums)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=1)
+        ex.round._executors[torch.device("cpu")] = Recording()
+        g = syn.make_global_batch(np.random.default_rng(3), 8, 256, features=8, mix="large", first_id=0, scale=0.05)
+        _, report = ex.exchange([syn.rank_share(g, 2, r)])
+        ex.exchange([])
+        return report.moved_samples
+
+    moved = run_emulated(2, fn, timeout=30)
+    assert moved[0] > 0 and len(events) == 2
+    for seq in events.values():
+        assert seq == ["sums", "run", "run", "sums"], seq  # pack and assemble between the two launches
