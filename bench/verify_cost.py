@@ -129,31 +129,29 @@ def main():
     impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
     device = {name: [] for name in ex}
-    parts = Parts()
-    try:
-        parts.__enter__()
-        for k in range(args.windows + args.warmup):
-            for name, e in ex.items():
-                round_module.window_checksums = impl[name]
-                parts.row = name if k >= args.warmup else None
-                b = batches[k % len(batches)]
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                t0 = time.perf_counter()
-                e.exchange([b])
-                t1 = time.perf_counter()
-                if cuda:
-                    end.record()
-                    torch.cuda.synchronize(dev)
-                if k >= args.warmup:
-                    host[name].append((t1 - t0) * 1e3)
+    with Parts() as parts:
+        try:
+            for k in range(args.windows + args.warmup):
+                for name, e in ex.items():
+                    round_module.window_checksums = impl[name]
+                    parts.row = name if k >= args.warmup else None
+                    b = batches[k % len(batches)]
                     if cuda:
-                        device[name].append(start.elapsed_time(end))
-    finally:
-        parts.__exit__()
-        round_module.window_checksums = checksum.window_checksums
+                        torch.cuda.synchronize(dev)
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                    t0 = time.perf_counter()
+                    e.exchange([b])
+                    t1 = time.perf_counter()
+                    if cuda:
+                        end.record()
+                        torch.cuda.synchronize(dev)
+                    if k >= args.warmup:
+                        host[name].append((t1 - t0) * 1e3)
+                        if cuda:
+                            device[name].append(start.elapsed_time(end))
+        finally:
+            round_module.window_checksums = checksum.window_checksums
     out_rows = {}
     off_h = float(np.median(host["off"]))
     off_d = float(np.mean(device["off"])) if cuda else None

@@ -244,3 +244,7 @@ def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
     assert all(math.isfinite(r["host_ms"]) and r["host_ms"] > 0 and r["device_ms"] is None for r in rows.values())
     assert all(r["kernel_calls"] == 0 for r in rows.values())
     assert rows["off"]["checksum_calls"] == 0 and rows["every window (torch)"]["checksum_calls"] >= 4
+    # the check's host parts: none for off; every checked window sums on both sides
+    assert rows["off"]["host_us_by_part"] is None
+    every = rows["every window (torch)"]["host_us_by_part"]
+    assert every["sender sums"] > 0 and every["receiver sums + copy"] > 0 and every["comparison"] > 0
