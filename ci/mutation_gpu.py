@@ -7,7 +7,8 @@ mutants with the GPU checks instead, in two steps:
 
     python ci/mutation_gpu.py export DIR      here (needs mutmut and mutants/): for every mutant on
                                               cuda_only.txt whose fingerprint still matches, DIR/NAME/
-                                              holds its mutated source file and what to run
+                                              holds its mutated source file and its path (the
+                                              check is the one CHECKS names for that path at judging)
     python ci/mutation_gpu.py judge DIR OUT.txt [--jobs 8] [--timeout 240]
                                               on the GPU host (no mutmut needed): the unmutated tree
                                               must pass every check; then, per mutant, a copy of the
@@ -73,8 +74,7 @@ def export(out: Path) -> int:
         d = out / name
         d.mkdir(exist_ok=True)
         (d / "source.py").write_text(mutated)
-        (d / "mutant.json").write_text(json.dumps({"name": name, "fingerprint": fp, "path": path,
-                                                   "check": CHECKS[path]}) + "\n")
+        (d / "mutant.json").write_text(json.dumps({"name": name, "fingerprint": fp, "path": path}) + "\n")
         n += 1
     print(f"exported {n} of {len(listed)} CUDA-only mutants to {out}")
     return 0
@@ -94,6 +94,7 @@ def run_check(tree: Path, check: str, timeout: float) -> tuple:
 
 def judge_one(mutant_dir: Path, scratch: Path, timeout: float) -> dict:
     m = json.loads((mutant_dir / "mutant.json").read_text())
+    m["check"] = CHECKS[m["path"]]  # the check that reaches the file now, not when it was exported
     tree = scratch / m["name"]
     for top in TREE:
         shutil.copytree(ROOT / top, tree / top, ignore=shutil.ignore_patterns("__pycache__", "results"))
@@ -105,7 +106,7 @@ def judge_one(mutant_dir: Path, scratch: Path, timeout: float) -> dict:
 
 def judge(src: Path, out: Path, jobs: int, timeout: float) -> int:
     dirs = sorted(d for d in src.iterdir() if (d / "mutant.json").exists())
-    for check in sorted({json.loads((d / "mutant.json").read_text())["check"] for d in dirs}):
+    for check in sorted({CHECKS[json.loads((d / "mutant.json").read_text())["path"]] for d in dirs}):
         passed, seconds, tail = run_check(ROOT, check, timeout)  # an unmutated tree that fails judges nothing
         print(f"unmutated: {check}: {'pass' if passed else 'FAIL'} ({seconds:.0f} s)", flush=True)
         if not passed:
