@@ -174,8 +174,12 @@ def nnls(a: np.ndarray, y: np.ndarray, *, max_iter: int | None = None) -> np.nda
             if all(z[i] > 0 for i in idx):
                 x = z
                 break
-            alpha = min(x[i] / (x[i] - z[i]) if x[i] - z[i] > 0 else 0.0 for i in idx if z[i] <= 0)
+            # the step to the first passive coordinate that reaches 0 on the way to z; that one leaves
+            # exactly (by index, not by the rounded value: a step that underflows would leave it a
+            # positive denormal for ever), with any other the rounding put at or below 0
+            alpha, out = min((x[i] / (x[i] - z[i]) if x[i] - z[i] > 0 else 0.0, i) for i in idx if z[i] <= 0)
             x = [x[i] + alpha * (z[i] - x[i]) for i in range(n)]
+            x[out] = 0.0
             for i in idx:
                 if not x[i] > 0:
                     passive[i] = False

@@ -3,6 +3,8 @@ order of the rows), known answers, the decision of every rank from the same fram
 keep weights from flapping, drift, and the messages of refused times and settings."""
 
 import math
+import threading
+from pathlib import Path
 
 import expecttest
 import numpy as np
@@ -55,6 +57,22 @@ def test_nnls_known_answers_and_scipy():
         a, y = rng.normal(size=(12, 4)), rng.normal(size=12)
         x = nnls(a, y)
         assert np.linalg.norm(a @ x - y) <= np.linalg.norm(a @ scipy.nnls(a, y)[0] - y) + 1e-9
+
+
+def test_nnls_ends_when_a_step_to_the_boundary_underflows():
+    """A fit the calibration simulation made (24 rows, `simulate(seed=928337, noise=2.0, history=1,
+    mode="shadow", windows=48)`): a coordinate leaving the passive set shrank toward 0 step by step
+    until its step length underflowed to 0 while it stayed a positive denormal, and the solve looped
+    for ever. It must end, at the optimum."""
+    d = np.load(Path(__file__).with_name("nnls_underflow.npz"))
+    a, y, done = d["a"], d["y"], []
+    worker = threading.Thread(target=lambda: done.append(nnls(a, y)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "nnls did not return within 60 s"
+    _kkt(a, y, done[0])
+    scipy = pytest.importorskip("scipy.optimize")
+    assert np.linalg.norm(a @ done[0] - y) <= np.linalg.norm(a @ scipy.nnls(a, y)[0] - y) * (1 + 1e-9)
 
 
 def _features(n, seed):
