@@ -2,16 +2,17 @@
 check off, on every 100th window and on every window, side by side in one process (the settings
 alternate window by window, so drift hits all alike). A dp-1 module: its window runs every step
 of the check (checksums where the samples are read, the frame, the comparison on what was
-assembled) without a collective; the micro-batches are realistic Qwen-VL ones from pinned host
-memory (on CUDA) or the host.
+assembled) without a collective; the micro-batches are realistic Qwen-VL ones, on CUDA from pinned
+host memory (--inputs pinned, the default: every read of a sample crosses the host link, the
+sender's checksum read too) or already on the GPU (--inputs device), elsewhere on the host.
 
 Each checked setting runs once per checksum path of --paths: `kernel` (the round's own: on CUDA one
 Triton launch per window and side, `reorder.batch.checksum.window_checksums`) and `torch` (the torch
 ops, the fallback), in the same alternation, so the kernel's saving is read off one table. On CUDA
 both by default; elsewhere `kernel` alone (there it is the torch ops).
 
-  PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--micro-batch 16] [--windows 200]
-                                           [--paths kernel,torch] [--json F]
+  PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--inputs pinned|device] [--micro-batch 16]
+                                           [--windows 200] [--paths kernel,torch] [--json F]
 
 Prints one row per setting and path: median host ms per window, mean device ms per window (CUDA
 events), the ratio to off, and how many of the row's checksum calls the kernel served; then the
@@ -102,6 +103,8 @@ def rows_of(paths: list) -> list:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--inputs", help="where the micro-batches are: pinned (host memory, the default on CUDA) or "
+                                    "device (on the GPU already); host elsewhere")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--features", type=int, default=1176)
@@ -117,11 +120,16 @@ def main():
     paths = (args.paths or ("kernel,torch" if cuda else "kernel")).split(",")
     if not paths or set(paths) - {"kernel", "torch"}:
         p.error(f"--paths {args.paths!r}: expected kernel, torch or both, comma-separated")
+    inputs = args.inputs or ("pinned" if cuda else "host")
+    if inputs not in (("pinned", "device") if cuda else ("host",)):
+        p.error(f"--inputs {args.inputs!r}: expected " + ("pinned or device" if cuda else "host (no CUDA device)"))
     rng = np.random.default_rng(0)
     batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
                                      first_id=k * args.micro_batch) for k in range(8)]
-    if cuda:
+    if inputs == "pinned":
         batches = [syn.pin(b) for b in batches]
+    elif inputs == "device":
+        batches = [syn.to_device(b, dev) for b in batches]
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
     rows = rows_of(paths)
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
@@ -163,6 +171,7 @@ def main():
                               kernel_calls=impl[name].kernel,
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)
+    print(f"micro-batches: {inputs}")
     print(f"{'self-check':24} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7} {'kernel sums':>12}")
     for name, r in out_rows.items():
         dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
@@ -176,7 +185,7 @@ def main():
     print(f"{'(median host time over off)':38}"
           + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):22.1f}" for name in checked))
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
-               micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
+               inputs=inputs, micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
                windows=args.windows, paths=paths, settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:

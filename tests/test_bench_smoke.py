@@ -238,7 +238,9 @@ def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = json.loads(out.read_text())["settings"]
+    got = json.loads(out.read_text())
+    assert got["inputs"] == "host"
+    rows = got["settings"]
     assert list(rows) == ["off", "every 100th (kernel)", "every 100th (torch)", "every window (kernel)",
                           "every window (torch)"]
     assert all(math.isfinite(r["host_ms"]) and r["host_ms"] > 0 and r["device_ms"] is None for r in rows.values())
@@ -248,3 +250,12 @@ def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
     assert rows["off"]["host_us_by_part"] is None
     every = rows["every window (torch)"]["host_us_by_part"]
     assert every["sender sums"] > 0 and every["receiver sums + copy"] > 0 and every["comparison"] > 0
+
+
+def test_verify_cost_bench_refuses_gpu_inputs_without_a_gpu():
+    """--inputs pinned / device need a CUDA device: refused by name before anything runs."""
+    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--inputs", "device"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 2
+    assert "--inputs 'device': expected host (no CUDA device)" in res.stderr
