@@ -12,7 +12,10 @@ ops, the fallback), in the same alternation, so the kernel's saving is read off 
 both by default; elsewhere `kernel` alone (there it is the torch ops).
 
   PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--inputs pinned|device] [--micro-batch 16]
-                                           [--windows 200] [--paths kernel,torch] [--json F]
+                                           [--window 1] [--windows 200] [--paths kernel,torch] [--json F]
+
+--window: micro-batches per window (1, the default, is the smallest window: the check's fixed
+host cost per window weighs most there).
 
 Prints one row per setting and path: median host ms per window, mean device ms per window (CUDA
 events), the ratio to off, and how many of the row's checksum calls the kernel served; then the
@@ -79,16 +82,17 @@ class Path:
     kernel served."""
 
     def __init__(self, name: str):
-        self.name, self.calls, self.kernel = name, 0, 0
+        self.name, self.calls, self.kernel, self.samples = name, 0, 0, 0
 
     def __call__(self, parts, fields, device, **kw):
         self.calls += 1
-        if self.name == "kernel":
-            got = checksum.kernel_checksums(parts, fields, device, **kw)
-            if got is not None:
-                self.kernel += 1
-                return got
-        return checksum.torch_checksums(parts, fields)
+        got = checksum.kernel_checksums(parts, fields, device, **kw) if self.name == "kernel" else None
+        if got is not None:
+            self.kernel += 1
+        else:
+            got = checksum.torch_checksums(parts, fields)
+        self.samples += got.shape[0]
+        return got
 
 
 def rows_of(paths: list) -> list:
@@ -109,6 +113,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--features", type=int, default=1176)
     p.add_argument("--mix", default="realistic")
+    p.add_argument("--window", type=int, default=1, help="micro-batches per window (at most 8)")
     p.add_argument("--windows", type=int, default=200, help="timed windows per row")
     p.add_argument("--warmup", type=int, default=10, help="untimed windows per row first (Triton compiles, caches fill)")
     p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
@@ -123,6 +128,8 @@ def main():
     inputs = args.inputs or ("pinned" if cuda else "host")
     if inputs not in (("pinned", "device") if cuda else ("host",)):
         p.error(f"--inputs {args.inputs!r}: expected " + ("pinned or device" if cuda else "host (no CUDA device)"))
+    if not 1 <= args.window <= 8:
+        p.error(f"--window {args.window}: expected 1 to 8 micro-batches")
     rng = np.random.default_rng(0)
     batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
                                      first_id=k * args.micro_batch) for k in range(8)]
@@ -133,7 +140,7 @@ def main():
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
     rows = rows_of(paths)
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
-                                device=dev, verify=n) for name, n, _ in rows}
+                                window_size=args.window, device=dev, verify=n) for name, n, _ in rows}
     impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
     device = {name: [] for name in ex}
@@ -143,13 +150,13 @@ def main():
                 for name, e in ex.items():
                     round_module.window_checksums = impl[name]
                     parts.row = name if k >= args.warmup else None
-                    b = batches[k % len(batches)]
+                    b = [batches[(k * args.window + i) % len(batches)] for i in range(args.window)]
                     if cuda:
                         torch.cuda.synchronize(dev)
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record()
                     t0 = time.perf_counter()
-                    e.exchange([b])
+                    e.exchange(b)
                     t1 = time.perf_counter()
                     if cuda:
                         end.record()
@@ -168,10 +175,10 @@ def main():
         d = float(np.mean(device[name])) if cuda else None
         out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
                               device_ratio=None if d is None else d / off_d, checksum_calls=impl[name].calls,
-                              kernel_calls=impl[name].kernel,
+                              kernel_calls=impl[name].kernel, checksum_samples=impl[name].samples,
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)
-    print(f"micro-batches: {inputs}")
+    print(f"micro-batches: {inputs}, {args.window} per window of {args.micro_batch} samples")
     print(f"{'self-check':24} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7} {'kernel sums':>12}")
     for name, r in out_rows.items():
         dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
@@ -185,7 +192,7 @@ def main():
     print(f"{'(median host time over off)':38}"
           + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):22.1f}" for name in checked))
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
-               inputs=inputs, micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
+               inputs=inputs, window=args.window, micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
                windows=args.windows, paths=paths, settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:

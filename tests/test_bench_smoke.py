@@ -252,6 +252,24 @@ def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
     assert every["sender sums"] > 0 and every["receiver sums + copy"] > 0 and every["comparison"] > 0
 
 
+def test_verify_cost_bench_sums_every_micro_batch_of_a_wider_window(tmp_path):
+    """--window 3: every checksum call sums the 3 micro-batches of its window; a window past 8
+    micro-batches is refused by name."""
+    out = tmp_path / "verify.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
+           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1",
+           "--window", "3", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["window"] == 3
+    every = got["settings"]["every window"]
+    assert every["checksum_calls"] >= 6 and every["checksum_samples"] == every["checksum_calls"] * 3 * 8
+    res = subprocess.run(cmd[:-2] + ["--window", "9"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "--window 9: expected 1 to 8 micro-batches" in res.stderr
+
+
 def test_verify_cost_bench_refuses_gpu_inputs_without_a_gpu():
     """--inputs pinned / device need a CUDA device: refused by name before anything runs."""
     cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--inputs", "device"]
