@@ -5,7 +5,9 @@
 FileStore in a private temporary directory, runs `fn(rank, world, *args)` and tears the group down.
 Rank 0's return value comes back to the caller. Any child failure (an exception, a crash, or the
 overall timeout) ends every child and raises `ProcessesFailed` carrying one clean line per failed
-rank ("rank 3: InvariantViolation: ...") instead of a wall of tracebacks.
+rank ("rank 3: InvariantViolation: ...") instead of a wall of tracebacks. A rendezvous that drops
+before any rank has joined the group (Gloo's "Connection closed by peer" when a peer's connection
+breaks under load) is started again with fresh processes, up to RENDEZVOUS_ATTEMPTS times in all.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import tempfile
 import time
 import traceback
 
+RENDEZVOUS_ATTEMPTS = 3  # launches in all when the rendezvous drops before any rank joined
+
 
 class ProcessesFailed(RuntimeError):
     """One or more ranks failed; `errors` maps rank -> "ExceptionType: message" (-1: the launcher)."""
@@ -25,6 +29,7 @@ class ProcessesFailed(RuntimeError):
     def __init__(self, errors: dict, details: str = "", suffix: str = ""):
         self.errors = dict(errors)
         self.details = details  # full tracebacks of every failed rank
+        self.suffix = suffix
         super().__init__("; ".join(f"rank {r}: {m}" if r >= 0 else m for r, m in self.errors.items()) + suffix)
 
 
@@ -34,19 +39,39 @@ def _child(rank, fn, world, workdir, args, pg_timeout):
 
     torch.set_num_threads(1)  # N ranks share the machine's cores
     store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+    except BaseException as e:
+        _record(workdir, rank, e)
+        _mark(workdir, f"rendezvous.{rank}")
+        raise
+    _mark(workdir, f"joined.{rank}")  # from here on a failure is the function's: never started again
     try:
         result = fn(rank, world, *args)
         if rank == 0:
             with open(os.path.join(workdir, "result.pkl"), "wb") as f:
                 pickle.dump(result, f)
     except BaseException as e:
-        with open(os.path.join(workdir, f"error.{rank}"), "w") as f:
-            f.write(f"{type(e).__name__}: {e}\n\0{traceback.format_exc()}")
+        _record(workdir, rank, e)
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _record(workdir, rank, e):
+    with open(os.path.join(workdir, f"error.{rank}"), "w") as f:
+        f.write(f"{type(e).__name__}: {e}\n\0{traceback.format_exc()}")
+
+
+def _mark(workdir, name):
+    open(os.path.join(workdir, name), "w").close()
+
+
+def _rendezvous_dropped(workdir) -> bool:
+    """A rank failed in init_process_group and none had joined the group."""
+    names = os.listdir(workdir)
+    return any(n.startswith("rendezvous.") for n in names) and not any(n.startswith("joined.") for n in names)
 
 
 def _failure(e, workdir) -> ProcessesFailed:
@@ -112,26 +137,32 @@ def run_processes(fn, world: int, args: tuple = (), *, timeout: float = 600.0, p
 def _run(fn, world, args, timeout, pg_timeout):
     import torch.multiprocessing as mp
 
-    sys.stdout.flush()  # buffered output would be duplicated in every forked child
-    sys.stderr.flush()
-    with tempfile.TemporaryDirectory(prefix="reorder-procs-") as workdir:
-        ctx = mp.start_processes(_child, args=(fn, world, workdir, args, pg_timeout), nprocs=world,
-                                 start_method="fork", join=False)
-        deadline = time.monotonic() + timeout
-        failure = None
-        try:
-            while not ctx.join(timeout=0.2):
-                if time.monotonic() > deadline:
-                    failure = ProcessesFailed({-1: f"timed out after {timeout:g} s (a rank is stuck)"})
-                    break
-        except Exception as e:  # ProcessRaisedException / ProcessExitedException: the others are ended
-            failure = _failure(e, workdir)
-        finally:
-            _stop(ctx.processes)
-        if failure is not None:
-            raise failure
-        path = os.path.join(workdir, "result.pkl")
-        if not os.path.exists(path):
-            raise ProcessesFailed({-1: "rank 0 ended without a result"})
-        with open(path, "rb") as f:
-            return pickle.load(f)
+    deadline = time.monotonic() + timeout
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        sys.stdout.flush()  # buffered output would be duplicated in every forked child
+        sys.stderr.flush()
+        with tempfile.TemporaryDirectory(prefix="reorder-procs-") as workdir:
+            ctx = mp.start_processes(_child, args=(fn, world, workdir, args, pg_timeout), nprocs=world,
+                                     start_method="fork", join=False)
+            failure = None
+            try:
+                while not ctx.join(timeout=0.2):
+                    if time.monotonic() > deadline:
+                        failure = ProcessesFailed({-1: f"timed out after {timeout:g} s (a rank is stuck)"})
+                        break
+            except Exception as e:  # ProcessRaisedException / ProcessExitedException: the others are ended
+                failure = _failure(e, workdir)
+            finally:
+                _stop(ctx.processes)
+            if failure is not None and _rendezvous_dropped(workdir):
+                if attempt < RENDEZVOUS_ATTEMPTS and time.monotonic() < deadline:
+                    continue
+                failure = ProcessesFailed(failure.errors, failure.details,
+                                          f"{failure.suffix} (rendezvous failed {attempt} times)")
+            if failure is not None:
+                raise failure
+            path = os.path.join(workdir, "result.pkl")
+            if not os.path.exists(path):
+                raise ProcessesFailed({-1: "rank 0 ended without a result"})
+            with open(path, "rb") as f:
+                return pickle.load(f)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -274,6 +275,56 @@ def test_run_processes_reports_the_failing_rank():
     with pytest.raises(ProcessesFailed, match=r"^rank 1: ValueError: boom on rank 1") as e:
         run_processes(_raise_on_rank_1, 3, timeout=60)
     assert "Traceback" in e.value.details
+
+
+def _flaky_rendezvous(marks: str, fails: int):
+    """A stand-in for init_process_group that fails the first `fails` calls (counted in files under
+    `marks`, shared by the forked ranks) as Gloo does when a peer's connection drops mid-rendezvous."""
+    import torch.distributed as dist
+
+    real = dist.init_process_group
+
+    def init(*a, **k):
+        if len(os.listdir(marks)) < fails:
+            open(os.path.join(marks, f"{os.getpid()}.{time.monotonic_ns()}"), "w").close()
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+        return real(*a, **k)
+    return init
+
+
+def _count_calls(rank, world, calls):
+    with open(os.path.join(calls, f"{rank}.{time.monotonic_ns()}"), "w"):
+        pass
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def test_run_processes_starts_again_when_the_rendezvous_drops(tmp_path, monkeypatch):
+    """A Gloo rendezvous that drops before any rank ran the function (a peer's connection closed
+    under load) is started again with fresh processes; a failure of the function itself is not."""
+    import torch.distributed as dist
+
+    from reorder.cli.processes import RENDEZVOUS_ATTEMPTS, ProcessesFailed, run_processes
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setattr(dist, "init_process_group", _flaky_rendezvous(str(marks), 1))
+    assert run_processes(lambda rank, world: (rank, world), 2, timeout=60) == (0, 2)
+    assert len(os.listdir(marks)) == 1
+
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    with pytest.raises(ProcessesFailed, match=r"^rank 1: ValueError: boom on rank 1"):
+        run_processes(_count_calls, 2, (str(calls),), timeout=60)
+    assert sorted(n.split(".")[0] for n in os.listdir(calls)) == ["0", "1"]  # one attempt only
+
+    always = tmp_path / "always"
+    always.mkdir()
+    monkeypatch.setattr(dist, "init_process_group", _flaky_rendezvous(str(always), 10 ** 6))
+    with pytest.raises(ProcessesFailed, match=rf"^rank \d: RuntimeError: Gloo connectFullMesh failed .* \(rendezvous "
+                                              rf"failed {RENDEZVOUS_ATTEMPTS} times\)"):
+        run_processes(lambda rank, world: rank, 2, timeout=60)
 
 
 # ---- simulate: layouts, progress, planning time ---------------------------------------------------
