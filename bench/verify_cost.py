@@ -192,8 +192,8 @@ def main():
     print(f"{'(median host time over off)':38}"
           + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):22.1f}" for name in checked))
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
-               inputs=inputs, window=args.window, micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features, mix=args.mix,
-               windows=args.windows, paths=paths, settings=out_rows)
+               inputs=inputs, window=args.window, micro_batch=args.micro_batch, seq_len=args.seq_len,
+               features=args.features, mix=args.mix, windows=args.windows, paths=paths, settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
