@@ -22,6 +22,7 @@ with one Triton launch (`triton_checksum`, imported on first use) over a table o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -179,24 +180,29 @@ def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     readable = [[_readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
     if not any(map(any, readable)):
         return None
-    on = torch.device("cpu") if interpret else device
-    out = torch.zeros(n * CHECKED_FIELDS, dtype=torch.int64, device=on)
     staged = []
 
     def stage(size):
-        # fresh pinned staging each launch: the caching host allocator does not hand the block out
-        # again before the non-blocking copy that reads it has completed
-        staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not interpret))
-        return staged[0].numpy()
+        # the table, then the sums' words zeroed: one pinned block, one copy to the device. Fresh each
+        # launch: the caching host allocator does not hand the block out again before the
+        # non-blocking copy that reads it has completed
+        staged.append(torch.empty(size + n * CHECKED_FIELDS, dtype=torch.int64, pin_memory=not interpret))
+        words = staged[0].numpy()
+        words[size:] = 0
+        return words[:size]
 
     _, programs = launch_table(parts, fields, readable, chunk, alloc=stage)
+    table = staged[0]
     try:
-        if programs:
-            if interpret:
-                kernel[(programs,)](staged[0], 2 * programs, out, CHUNK=chunk, BLOCK=block)
-            else:
-                with torch.cuda.device(device):  # Triton launches on the current device and stream
-                    table = staged[0].to(device, non_blocking=True)
+        if interpret:
+            out = table[len(table) - n * CHECKED_FIELDS:]
+            if programs:
+                kernel[(programs,)](table, 2 * programs, out, CHUNK=chunk, BLOCK=block)
+        else:
+            with torch.cuda.device(device):  # Triton launches on the current device and stream
+                table = table.to(device, non_blocking=True)
+                out = table[len(table) - n * CHECKED_FIELDS:]
+                if programs:
                     kernel[(programs,)](table, 2 * programs, out, CHUNK=chunk, BLOCK=block, num_warps=4)
                     _HELD.hold([t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r)
                                 if ok and not t.is_cuda], torch.cuda.current_stream(device))
@@ -257,19 +263,12 @@ def launch_table(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     its words are cut into programs of `chunk` words. The output index is sample * CHECKED_FIELDS +
     the field's slot, samples numbered part after part. `alloc(size)` gives the int64 array to fill
     (default np.empty). ValueError for a buffer smaller than its counts say."""
-    groups = []  # (part, field number, ByteField, buffer, counts table [m, columns], first sample)
-    at = 0
-    for p, (bufs, counts) in enumerate(parts):
+    for p, (bufs, _) in enumerate(parts):
         if len(bufs) != len(fields):
             raise ValueError(f"part {p} has {len(bufs)} buffers for {len(fields)} fields")
-        table = counts.table
-        if len(table):
-            groups += [(p, f, field, buf, table, at) for f, (field, buf) in enumerate(zip(fields, bufs))
-                       if readable[p][f]]
-        at += len(table)
-    pieces = _pieces(groups)
-    pieces = pieces[:, pieces[3] > 0]  # pieces with words
-    per = (pieces[3] + chunk - 1) // chunk
+    pieces = _pieces(parts, fields, readable)
+    words = pieces[3]
+    per = (words + chunk - 1) // chunk
     first = np.cumsum(per) - per
     programs = int(per.sum())
     count = pieces.shape[1]
@@ -286,46 +285,60 @@ def launch_table(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
 _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"), "list": COLUMNS.index("list_bytes")}
 
 
-def _pieces(groups: list) -> np.ndarray:
-    """int64 [7, pieces]: the pieces (see `launch_table`) of every (part, field) of `groups`, one per
-    sample, group after group, in one pass of array operations over all of them (a list sample's
-    one entry may hold no bytes: its piece has no words)."""
-    if not groups:
+@functools.lru_cache(maxsize=64)
+def _field_constants(fields: tuple) -> tuple:
+    """Per field of `fields` (arrays [F, 1]): dense, list, pre, unit, word width, salt, checksum
+    slot, and the counts column of its entries (a dense field's: any; its entries are `pre`).
+    The same every window of a layout: made once."""
+    kinds = [f.kind for f in fields]
+    col = lambda values: np.array(values)[:, None]  # numpy's default integer is int64 here
+    return (col([k == "dense" for k in kinds]), col([k == "list" for k in kinds]),
+            col([f.pre for f in fields]), col([f.unit for f in fields]),
+            col([word_width(f.kind, f.unit) for f in fields]),
+            col([max(0, i - (CHECKED_FIELDS - 1)) << 32 for i in range(len(fields))]),
+            col([field_slot(i) for i in range(len(fields))]), [_ENTRY_COLUMN.get(k, 0) for k in kinds])
+
+
+def _pieces(parts: list, fields: tuple, readable: list) -> np.ndarray:
+    """int64 [7, pieces]: the pieces (see `launch_table`) of every readable (part, field) with
+    words, one per sample, in one pass of array operations over all fields and samples of the
+    window: arrays [F, N] (F fields, N samples of all parts) whose per-field parts are made once
+    per layout (`_field_constants`)."""
+    held_parts = [p for p, (_, counts) in enumerate(parts) if len(counts.table)]  # parts with samples
+    if not fields or not held_parts:
         return np.zeros((7, 0), dtype=np.int64)
-    # numpy's default integer is int64 here: every array below is int64 unless it holds bools
-    m = np.array([len(t) for *_, t, _ in groups])
-    kinds = [field.kind for _, _, field, *_ in groups]
-    dense = np.array([k == "dense" for k in kinds])
-    listed = np.array([k == "list" for k in kinds])
-    pre = np.array([field.pre for _, _, field, *_ in groups])
-    unit = np.array([field.unit for _, _, field, *_ in groups])
-    width = np.array([word_width(k, u) for k, u in zip(kinds, unit.tolist())])
-    salt = np.array([max(0, f - (CHECKED_FIELDS - 1)) << 32 for _, f, *_ in groups])
-    slot = np.array([field_slot(f) for _, f, *_ in groups])
-    ptr = np.array([buf.data_ptr() for _, _, _, buf, _, _ in groups])
-    first = np.array([at for *_, at in groups])
-    nbytes = np.array([buf.nbytes for _, _, _, buf, _, _ in groups])
-    # per sample: its group, its index in its part, and a ragged field's entries (list: its bytes)
-    g = np.repeat(np.arange(len(groups)), m)
+    dense, listed, pre, unit, width, salt, slot, column = _field_constants(tuple(fields))
+    parts, readable = [parts[p] for p in held_parts], [readable[p] for p in held_parts]
+    table = np.concatenate([counts.table for _, counts in parts])  # [N, columns]
+    m = np.array([len(counts.table) for _, counts in parts])
+    part = np.repeat(np.arange(len(parts)), m)  # per sample: its part, its index there
     starts = np.cumsum(m) - m
-    j = np.arange(len(g)) - starts[g]
-    held_by = np.concatenate([t[:, _ENTRY_COLUMN[k]] if k != "dense" else np.zeros(len(t), dtype=np.int64)
-                              for k, (*_, t, _) in zip(kinds, groups)])
-    size = np.where(listed[g], held_by, unit[g])  # bytes per entry
-    entries = np.where(dense[g], pre[g], np.where(listed[g], 1, held_by))
+    j = np.arange(len(part)) - starts[part]
+    # per (part, field): the buffer's address and bytes, and whether the kernel reads it
+    ptr = np.array([[buf.data_ptr() for buf in bufs] for bufs, _ in parts]).T  # [F, parts]
+    nbytes = np.array([[buf.nbytes for buf in bufs] for bufs, _ in parts]).T
+    read = np.array(readable).T
+    held_by = table[:, column].T  # [F, N]: a ragged field's entries (list: its bytes)
+    size = np.where(listed, held_by, unit)  # bytes per entry
+    entries = np.where(dense, pre, np.where(listed, 1, held_by))
     held = entries * size
-    need = np.add.reduceat(held, starts)  # a field's bytes in its part (groups hold >= 1 sample)
-    short = np.flatnonzero(nbytes < need)
+    before = np.cumsum(held, axis=1) - held  # bytes of the samples before, over all parts
+    first = before[:, starts]  # [F, parts]
+    need = np.add.reduceat(held, starts, axis=1)
+    short = np.argwhere(read.T & (nbytes < need).T)  # (part, field), part after part
     if len(short):
-        p, f, *_ = groups[short[0]]
-        raise ValueError(f"field {f} of part {p}: its buffer holds {nbytes[short[0]]} bytes, its counts need "
-                         f"{need[short[0]]}")
-    before = np.cumsum(held) - held
-    start = np.where(dense[g], j * unit[g], before - before[starts][g])
-    stride = np.where(dense[g], m[g] * unit[g], unit[g])  # (a list sample's one entry needs none)
-    w = width[g]
-    return np.stack([ptr[g] + start, stride, size // w, entries * (size // w), w, salt[g],
-                     (first[g] + j) * CHECKED_FIELDS + slot[g]])
+        p, f = (int(x) for x in short[0])
+        raise ValueError(f"field {f} of part {held_parts[p]}: its buffer holds {nbytes[f, p]} bytes, its counts "
+                         f"need {need[f, p]}")
+    start = np.where(dense, j * unit, before - first[:, part])
+    stride = np.where(dense, m[part] * unit, unit)  # (a list sample's one entry needs none)
+    wpe = size // width
+    words = entries * wpe
+    keep = read[:, part] & (words > 0)
+    out = np.empty((7,) + words.shape, dtype=np.int64)
+    out[0], out[1], out[2], out[3], out[4], out[5] = ptr[:, part] + start, stride, wpe, words, width, salt
+    out[6] = np.arange(len(part)) * CHECKED_FIELDS + slot
+    return out[:, keep]
 
 
 _HELD = KeepAlive()  # one per process: every round and thread (an overlap worker too) launches
