@@ -167,16 +167,7 @@ def check_exchanges(args, dev) -> int:
     ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev, window_size=2,
                          verify=1)
     flip = ex.round._executors[dev] = flipping(TorchExecutor() if args.rehearse else TritonExecutor())
-    for k in range(8):
-        g = [syn.make_global_batch(rng, 8, 512, features=24, mix="small", first_id=16 * k + 8 * i) for i in range(2)]
-        for i, mb in enumerate(g):  # per-sample lists: the list field, read from pageable host memory
-            mb["note"] = [f"n{i}{j}" * j for j in range(8)]
-        src = [syn.pin(b) if k % 2 and dev.type == "cuda" else syn.to_device(b, dev) for b in g]
-        try:
-            ex.exchange(src)
-        except ReorderError as e:
-            bad += 1
-            print(f"exchange {k} (a correct window) raised: {e}", flush=True)
+    bad += correct_windows(ex, rng, dev)
     launches = len(calls)
     flip.armed = True
     g = [syn.make_global_batch(rng, 8, 512, features=24, mix="small", first_id=1000 + 8 * i) for i in range(2)]
@@ -191,6 +182,54 @@ def check_exchanges(args, dev) -> int:
     bad += int(not ok_kernel) + int(launches < 8)
     cs._KERNEL[0] = kernel
     print(f"exchanges: 8 windows, {launches} kernel launches, kernel never failed: {ok_kernel}", flush=True)
+    return bad
+
+
+def correct_windows(ex, rng, dev, sleep: int = 0, end: bool = False) -> int:
+    """Exchange 8 correct dp-1 windows of 2 micro-batches (pinned and device ones in turn, with
+    per-sample lists read from pageable host memory); returns how many raised. `sleep`: GPU cycles of
+    `torch.cuda._sleep` queued ahead of each window, so the device lags the host; `end`: then end the
+    stream (the last window's check)."""
+    bad = 0
+    for k in range(8):
+        g = [syn.make_global_batch(rng, 8, 512, features=24, mix="small", first_id=16 * k + 8 * i) for i in range(2)]
+        for i, mb in enumerate(g):  # per-sample lists: the list field, read from pageable host memory
+            mb["note"] = [f"n{i}{j}" * j for j in range(8)]
+        src = [syn.pin(b) if k % 2 and dev.type == "cuda" else syn.to_device(b, dev) for b in g]
+        if sleep and dev.type == "cuda":
+            torch.cuda._sleep(sleep)
+        try:
+            ex.exchange(src)
+        except ReorderError as e:
+            bad += 1
+            print(f"exchange {k} (a correct window) raised: {e}", flush=True)
+    if end:
+        try:
+            ex.exchange([])
+        except ReorderError as e:
+            bad += 1
+            print(f"the end of the stream (after correct windows) raised: {e}", flush=True)
+    return bad
+
+
+def check_torch_exchanges(args, dev) -> int:
+    """The same correct windows with the torch ops summing both sides (the fallback where Triton is
+    missing or its launch failed), the device lagging the host: none raises. A window mixing host
+    buffers (pinned sources a slot keeps) and device ones (assembled slots) gathers its sums on the
+    device; gathered on the host, the device part's sums came over by a non-blocking copy and were
+    added up before they landed (false mismatches)."""
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    kernel = cs._kernel()
+    cs._KERNEL[0] = None
+    try:
+        bad = 0
+        for seed in (3, 5, 7):
+            ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev,
+                                 window_size=2, verify=1)
+            bad += correct_windows(ex, np.random.default_rng(seed), dev, sleep=20_000_000, end=True)
+    finally:
+        cs._KERNEL[0] = kernel
+    print(f"torch ops: 3 x 8 correct windows, {bad} raised", flush=True)
     return bad
 
 
@@ -246,7 +285,8 @@ def main() -> int:
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
     offsets = set()
-    bad = check_windows(args, dev, offsets) + check_exchanges(args, dev) + check_no_wait(args, dev)
+    bad = (check_windows(args, dev, offsets) + check_exchanges(args, dev) + check_torch_exchanges(args, dev)
+           + check_no_wait(args, dev))
     from reorder.batch.triton_checksum import checksum_pieces
 
     variants = 1 if args.rehearse else compiled_variants(checksum_pieces)

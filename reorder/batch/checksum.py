@@ -46,17 +46,24 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(buffers: list, fields: tuple, counts: SampleCounts) -> torch.Tensor:
-    """int64 [n, CHECKED_FIELDS] on the first buffer's device: the checksums of the n samples (counts
-    [n]) of a shard whose buffers (contiguous, one per `ByteField` of `fields`, in order) are
+    """int64 [n, CHECKED_FIELDS] on `gathering_device(buffers)`: the checksums of the n samples
+    (counts [n]) of a shard whose buffers (contiguous, one per `ByteField` of `fields`, in order) are
     `buffers`. Each field is summed where its buffer lives."""
     n = counts.shape[0]
-    dev = buffers[0].device if buffers else torch.device("cpu")
+    dev = gathering_device(buffers)
     out = torch.zeros(n, CHECKED_FIELDS, dtype=torch.int64, device=dev)
     for f, (field, buf) in enumerate(zip(fields, buffers)):
         per = field_sums(f, field, buf, counts)
         if per is not None:
             out[:, field_slot(f)] += per.to(dev, non_blocking=True)
     return out
+
+
+def gathering_device(buffers: list) -> torch.device:
+    """Where the torch ops gather the sums of `buffers`: the first one's device that is not the host,
+    else the host. The copies into it then go to a device, never from one: a non-blocking copy from
+    a device to the host returns before its bytes land, and the host would add them up too early."""
+    return next((t.device for t in buffers if t.device.type != "cpu"), torch.device("cpu"))
 
 
 def field_sums(f: int, field: tuple, buf: torch.Tensor, counts: SampleCounts) -> torch.Tensor | None:
@@ -131,7 +138,7 @@ def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     can read by address (on that device, or pinned host memory), the others summed with torch ops
     where they live (e.g. the pickled lists of host micro-batches) and added in; the result is on
     `device`, and nothing waits for the device. Elsewhere, or once a launch has raised (logged
-    once), torch ops on each part (`checksums`): the result is on the first buffer's device. Either
+    once), torch ops on each part (`checksums`): the result is on `gathering_device` of the buffers. Either
     way bit for bit the same sums. `interpret`: the kernel on CPU tensors through Triton's
     interpreter (TRITON_INTERPRET=1 set before triton is imported; tests).
 
@@ -154,10 +161,11 @@ def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
 
 
 def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
-    """`window_checksums` with torch ops only: each part's `checksums`, on the first buffer's device."""
+    """`window_checksums` with torch ops only: each part's `checksums`, on `gathering_device` of all
+    their buffers."""
     if not parts:
         return torch.zeros(0, CHECKED_FIELDS, dtype=torch.int64)
-    dev = parts[0][0][0].device if parts[0][0] else torch.device("cpu")
+    dev = gathering_device([t for bufs, _ in parts for t in bufs])
     return torch.cat([checksums(bufs, fields, counts).to(dev, non_blocking=True) for bufs, counts in parts])
 
 

@@ -188,8 +188,27 @@ def test_buffers_on_a_device_give_checksums_on_that_device():
     got = cs.torch_checksums([(buffers, counts), (buffers, counts)], fields)
     assert got.device.type == "meta" and tuple(got.shape) == (2 * n, CHECKED_FIELDS)
     host = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
-    got = cs.torch_checksums([(buffers, counts), (host, counts)], fields)   # on the first part's first buffer's device
+    got = cs.torch_checksums([(buffers, counts), (host, counts)], fields)
     assert got.device.type == "meta" and tuple(got.shape) == (2 * n, CHECKED_FIELDS)
+
+
+def test_sums_of_host_and_device_buffers_are_gathered_on_the_device():
+    """A window whose first buffers are host ones (pinned sources a slot keeps) and whose others
+    live on a device (assembled slots): the torch ops gather the sums there, copying only to the
+    device. Gathered on the host, a device part's sums would come over by a non-blocking copy that
+    returns before they land (a false mismatch on CUDA). The meta device stands for CUDA here: a
+    copy out of it raises."""
+    n = 3
+    counts = SampleCounts.of(rows=np.array([2, 0, 1]), list_bytes=np.array([3, 0, 5]))
+    fields = (ByteField("dense", 2, 8), ByteField("row", 1, 4), ByteField("list", 1, 1))
+    sizes = [2 * n * 8, 3 * 4, 8]
+    host = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
+    device = [torch.empty(s, dtype=torch.uint8, device="meta") for s in sizes]
+    assert cs.gathering_device(host + device).type == "meta" and cs.gathering_device(host).type == "cpu"
+    got = cs.torch_checksums([(host, counts), (device, counts)], fields)
+    assert got.device.type == "meta" and tuple(got.shape) == (2 * n, CHECKED_FIELDS)
+    got = checksums(host[:1] + device[1:], fields, counts)   # a field kept on the host ahead of device ones
+    assert got.device.type == "meta" and tuple(got.shape) == (n, CHECKED_FIELDS)
 
 
 def test_no_buffers_give_zero_checksums_on_the_host():
