@@ -42,7 +42,7 @@ SETTINGS = {"off": 0, "every 100th": 100, "every window": 1}
 # the check's host parts: name -> (owner, attribute) timed in place
 PARTS = {"sender sums": (round_module.WindowRound, "_sent_sums"),
          "receiver sums + copy": (round_module.WindowRound, "_checked"),
-         "launch tables (both)": (checksum, "launch_table"),
+         "launch blocks (both)": (checksum, "launch_block"),
          "kernel paths (both)": (checksum, "kernel_checksums"),
          "read-back": (round_module.WindowRound, "_check_words"),
          "comparison": (round_module.WindowRound, "_compared")}

@@ -5,7 +5,7 @@ enough to span many programs; the torch ops on the device agree with them on the
 byte changes exactly its (sample, field) sum; dp-1 windows through the exchanger with verify=1 pass
 with the kernel summing both sides, a byte the executor flips is caught at the next window; a checked
 window returns with a long kernel still queued ahead of it (no wait for the device); and the kernel
-compiled once (table offsets multiples of 16 and not).
+compiled once (the input's offsets multiples of 16 and not).
 
   python functional_tests/checksum_cuda.py [--windows 200]
   TRITON_INTERPRET=1 python functional_tests/checksum_cuda.py --rehearse --windows 10   # on the CPU
@@ -102,7 +102,7 @@ def check_windows(args, dev, offsets: set) -> int:
             continue
         launched += 1
         readable = [[cs._readable(t, dev, args.rehearse) for t in bufs] for bufs, _ in parts]
-        offsets.add(2 * cs.launch_table(parts, fields, readable, cs.CHUNK)[1] % 16 == 0)
+        offsets.add(cs.launch_block(parts, fields, readable, cs.CHUNK)[2]["out_at"] % 16 == 0)
         if got.device != dev or not torch.equal(got.cpu(), want):
             bad += 1
             print(f"window {k}: the kernel's sums differ from the torch ops' on the host", flush=True)
@@ -287,10 +287,10 @@ def main() -> int:
     offsets = set()
     bad = (check_windows(args, dev, offsets) + check_exchanges(args, dev) + check_torch_exchanges(args, dev)
            + check_no_wait(args, dev))
-    from reorder.batch.triton_checksum import checksum_pieces
+    from reorder.batch.triton_checksum import checksum_window
 
-    variants = 1 if args.rehearse else compiled_variants(checksum_pieces)
-    print(f"compiled variants: checksum kernel {variants} (table offsets multiples of 16: {sorted(offsets)})",
+    variants = 1 if args.rehearse else compiled_variants(checksum_window)
+    print(f"compiled variants: checksum kernel {variants} (output offsets multiples of 16: {sorted(offsets)})",
           flush=True)
     recompiled = int(variants != 1) + int(len(offsets) != 2 and not args.rehearse)
     print({"ok": bad + recompiled == 0, "windows": args.windows, "compiled_once": recompiled == 0})

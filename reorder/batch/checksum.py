@@ -16,8 +16,8 @@ segment, change several. The mix factors into a column part and an entry part, s
 broadcast multiply and one row sum over its words: about one pass over the bytes, no index tensors.
 
 `window_checksums` sums a whole window (every field of every sample of its micro-batches): on CUDA
-with one Triton launch (`triton_checksum`, imported on first use) over a table of pieces built here
-(`launch_table`), else, or when the launch raises (logged once), with the torch ops of `checksums`.
+with one Triton launch (`triton_checksum`, imported on first use) over the window's counts and
+addresses (`launch_block`), else, or when the launch raises (logged once), with the torch ops of `checksums`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from reorder.plan.counts import COLUMNS, SampleCounts
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-PIECE_WORDS = 8  # int64s per piece row of the launch table
 BLOCK, CHUNK = 1024, 16384  # the kernel's lanes, and words per program (a piece's last program: fewer)
 
 
@@ -188,30 +187,24 @@ def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     readable = [[_readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
     if not any(map(any, readable)):
         return None
+    # the input, then the sums' words zeroed: one pinned block, one copy to the device. Fresh each
+    # launch: the caching host allocator does not hand the block out again before the non-blocking
+    # copy that reads it has completed
     staged = []
-
-    def stage(size):
-        # the table, then the sums' words zeroed: one pinned block, one copy to the device. Fresh each
-        # launch: the caching host allocator does not hand the block out again before the
-        # non-blocking copy that reads it has completed
-        staged.append(torch.empty(size + n * CHECKED_FIELDS, dtype=torch.int64, pin_memory=not interpret))
-        words = staged[0].numpy()
-        words[size:] = 0
-        return words[:size]
-
-    _, programs = launch_table(parts, fields, readable, chunk, alloc=stage)
-    table = staged[0]
+    _, programs, at = launch_block(parts, fields, readable, chunk, alloc=lambda size: staged.append(
+        torch.empty(size, dtype=torch.int64, pin_memory=not interpret)) or staged[0].numpy())
+    data = staged[0]
+    args = (at["buffers"], at["fields"], at["bufs_at"], at["fields_at"], at["counts_at"], at["starts_at"], at["out_at"],
+            at["columns"])
     try:
         if interpret:
-            out = table[len(table) - n * CHECKED_FIELDS:]
             if programs:
-                kernel[(programs,)](table, 2 * programs, out, CHUNK=chunk, BLOCK=block)
+                kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block)
         else:
             with torch.cuda.device(device):  # Triton launches on the current device and stream
-                table = table.to(device, non_blocking=True)
-                out = table[len(table) - n * CHECKED_FIELDS:]
+                data = data.to(device, non_blocking=True)
                 if programs:
-                    kernel[(programs,)](table, 2 * programs, out, CHUNK=chunk, BLOCK=block, num_warps=4)
+                    kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, num_warps=4)
                     _HELD.hold([t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r)
                                 if ok and not t.is_cuda], torch.cuda.current_stream(device))
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
@@ -219,7 +212,7 @@ def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
         log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "
                     "ops from now on", type(e).__name__, e)
         return None
-    out = out.view(n, CHECKED_FIELDS)
+    out = data[at["out_at"]:].view(n, CHECKED_FIELDS)
     rest = _unread_sums(parts, fields, readable, n)
     if rest is not None:
         out += rest if interpret else rest.pin_memory().to(device, non_blocking=True)
@@ -229,10 +222,10 @@ def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
 def _kernel():
     if not _KERNEL:
         try:
-            from reorder.batch.triton_checksum import checksum_pieces
+            from reorder.batch.triton_checksum import checksum_window
         except Exception:  # not installed, or a broken install: the self-check must not stop training
-            checksum_pieces = None
-        _KERNEL.append(checksum_pieces)
+            checksum_window = None
+        _KERNEL.append(checksum_window)
     return _KERNEL[0]
 
 
@@ -263,90 +256,67 @@ def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
     return out
 
 
-def launch_table(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int]:
-    """The kernel's input as one int64 array, and its number of programs: rows [programs, 2] of
-    (piece row, first word), then rows [pieces, PIECE_WORDS] of (absolute address, entry stride in
-    bytes, words per entry, words, word width, salt, output index, 0) (`triton_checksum`). A piece
-    is one sample's entries of one field whose buffer the kernel reads (`readable[part][field]`);
-    its words are cut into programs of `chunk` words. The output index is sample * CHECKED_FIELDS +
-    the field's slot, samples numbered part after part. `alloc(size)` gives the int64 array to fill
-    (default np.empty). ValueError for a buffer smaller than its counts say."""
+def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int, dict]:
+    """The kernel's input as one int64 array, its number of programs, and the offsets of its parts
+    (the kernel's arguments; `triton_checksum` documents the layout). Buffer b is field b % F of
+    part b // F; the kernel reads it when `readable[part][field]` and it holds words, in programs
+    of `chunk` words each. Built with a fixed number of array operations, whatever the window's
+    micro-batches and samples: the device cuts the pieces. The output words (zero) come last.
+    `alloc(size)` gives the int64 array to fill (default np.empty). ValueError for a buffer smaller
+    than its counts say."""
     for p, (bufs, _) in enumerate(parts):
         if len(bufs) != len(fields):
             raise ValueError(f"part {p} has {len(bufs)} buffers for {len(fields)} fields")
-    pieces = _pieces(parts, fields, readable)
-    words = pieces[3]
-    per = (words + chunk - 1) // chunk
-    first = np.cumsum(per) - per
-    programs = int(per.sum())
-    count = pieces.shape[1]
-    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(2 * programs + PIECE_WORDS * count)
-    blk = out[:2 * programs].reshape(programs, 2)
-    piece_rows = out[2 * programs:].reshape(count, PIECE_WORDS)
-    piece_rows[:, :7] = pieces.T
-    piece_rows[:, 7] = 0
-    blk[:, 0] = np.repeat(np.arange(count), per)
-    blk[:, 1] = (np.arange(programs) - first[blk[:, 0]]) * chunk
-    return out, programs
+    rows, listed, unit, width, columns = _field_constants(tuple(fields))
+    n = np.array([counts.shape[0] for _, counts in parts], dtype=np.int64)
+    counts = np.concatenate([c.table for _, c in parts]) if parts else np.zeros((0, len(COLUMNS)), np.int64)
+    before = np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, axis=0)])
+    row0 = np.cumsum(n) - n
+    starts = before[:-1] - np.repeat(before[row0], n, axis=0)  # per column: the sum over the part's samples before
+    totals = before[row0 + n] - before[row0]  # [parts, columns]
+    need = np.where(rows[:, 0] == 0, rows[:, 1] * n[:, None], totals[:, columns]) * np.where(listed, 1, unit)  # [P, F]
+    ptr = np.array([[t.data_ptr() for t in bufs] for bufs, _ in parts], dtype=np.int64).reshape(need.shape)
+    nbytes = np.array([[t.nbytes for t in bufs] for bufs, _ in parts], dtype=np.int64).reshape(need.shape)
+    read = np.array(readable, dtype=bool).reshape(need.shape)
+    short = np.argwhere(read & (nbytes < need))
+    if len(short):
+        p, f = (int(x) for x in short[0])
+        raise ValueError(f"field {f} of part {p}: its buffer holds {nbytes[p, f]} bytes, its counts need {need[p, f]}")
+    words = np.where(read, need // width, 0)
+    first = np.concatenate([[0], np.cumsum(-(-words // chunk))])
+    programs, buffers, samples = int(first[-1]), words.size, len(counts)
+    at = {"bufs_at": buffers + 1}
+    at["fields_at"] = at["bufs_at"] + 4 * buffers
+    at["counts_at"] = at["fields_at"] + 8 * len(fields)
+    at["starts_at"] = at["counts_at"] + counts.size
+    at["out_at"] = at["starts_at"] + counts.size
+    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + samples * CHECKED_FIELDS)
+    out[:buffers + 1] = first
+    bufs = out[at["bufs_at"]:at["fields_at"]].reshape(buffers, 4)
+    bufs[:, 0], bufs[:, 1], bufs[:, 2], bufs[:, 3] = ptr.ravel(), np.repeat(row0, len(fields)), np.repeat(n, len(fields)), \
+        words.ravel()
+    out[at["fields_at"]:at["counts_at"]] = rows.ravel()
+    out[at["counts_at"]:at["starts_at"]] = counts.ravel()
+    out[at["starts_at"]:at["out_at"]] = starts.ravel()
+    out[at["out_at"]:] = 0
+    return out, programs, dict(at, buffers=buffers, fields=len(fields), columns=counts.shape[1])
 
 
+_KINDS = {"dense": 0, "row": 1, "image": 1, "list": 2}
 _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"), "list": COLUMNS.index("list_bytes")}
 
 
 @functools.lru_cache(maxsize=64)
 def _field_constants(fields: tuple) -> tuple:
-    """Per field of `fields` (arrays [F, 1]): dense, list, pre, unit, word width, salt, checksum
-    slot, and the counts column of its entries (a dense field's: any; its entries are `pre`).
-    The same every window of a layout: made once."""
-    kinds = [f.kind for f in fields]
-    col = lambda values: np.array(values)[:, None]  # numpy's default integer is int64 here
-    return (col([k == "dense" for k in kinds]), col([k == "list" for k in kinds]),
-            col([f.pre for f in fields]), col([f.unit for f in fields]),
-            col([word_width(f.kind, f.unit) for f in fields]),
-            col([max(0, i - (CHECKED_FIELDS - 1)) << 32 for i in range(len(fields))]),
-            col([field_slot(i) for i in range(len(fields))]), [_ENTRY_COLUMN.get(k, 0) for k in kinds])
-
-
-def _pieces(parts: list, fields: tuple, readable: list) -> np.ndarray:
-    """int64 [7, pieces]: the pieces (see `launch_table`) of every readable (part, field) with
-    words, one per sample, in one pass of array operations over all fields and samples of the
-    window: arrays [F, N] (F fields, N samples of all parts) whose per-field parts are made once
-    per layout (`_field_constants`)."""
-    held_parts = [p for p, (_, counts) in enumerate(parts) if len(counts.table)]  # parts with samples
-    if not fields or not held_parts:
-        return np.zeros((7, 0), dtype=np.int64)
-    dense, listed, pre, unit, width, salt, slot, column = _field_constants(tuple(fields))
-    parts, readable = [parts[p] for p in held_parts], [readable[p] for p in held_parts]
-    table = np.concatenate([counts.table for _, counts in parts])  # [N, columns]
-    m = np.array([len(counts.table) for _, counts in parts])
-    part = np.repeat(np.arange(len(parts)), m)  # per sample: its part, its index there
-    starts = np.cumsum(m) - m
-    j = np.arange(len(part)) - starts[part]
-    # per (part, field): the buffer's address and bytes, and whether the kernel reads it
-    ptr = np.array([[buf.data_ptr() for buf in bufs] for bufs, _ in parts]).T  # [F, parts]
-    nbytes = np.array([[buf.nbytes for buf in bufs] for bufs, _ in parts]).T
-    read = np.array(readable).T
-    held_by = table[:, column].T  # [F, N]: a ragged field's entries (list: its bytes)
-    size = np.where(listed, held_by, unit)  # bytes per entry
-    entries = np.where(dense, pre, np.where(listed, 1, held_by))
-    held = entries * size
-    before = np.cumsum(held, axis=1) - held  # bytes of the samples before, over all parts
-    first = before[:, starts]  # [F, parts]
-    need = np.add.reduceat(held, starts, axis=1)
-    short = np.argwhere(read.T & (nbytes < need).T)  # (part, field), part after part
-    if len(short):
-        p, f = (int(x) for x in short[0])
-        raise ValueError(f"field {f} of part {held_parts[p]}: its buffer holds {nbytes[f, p]} bytes, its counts "
-                         f"need {need[f, p]}")
-    start = np.where(dense, j * unit, before - first[:, part])
-    stride = np.where(dense, m[part] * unit, unit)  # (a list sample's one entry needs none)
-    wpe = size // width
-    words = entries * wpe
-    keep = read[:, part] & (words > 0)
-    out = np.empty((7,) + words.shape, dtype=np.int64)
-    out[0], out[1], out[2], out[3], out[4], out[5] = ptr[:, part] + start, stride, wpe, words, width, salt
-    out[6] = np.arange(len(part)) * CHECKED_FIELDS + slot
-    return out[:, keep]
+    """Per field of `fields`: its rows of the kernel's input [F, 8] (kind, pre, unit, word width,
+    salt, checksum slot, counts column of its entries, 0), and as arrays [F]: list or not, unit,
+    word width, counts column (a dense field's: any; its entries are `pre`). The same every window
+    of a layout: made once."""
+    rows = np.array([[_KINDS[f.kind], f.pre, f.unit, word_width(f.kind, f.unit), max(0, i - (CHECKED_FIELDS - 1)) << 32,
+                      field_slot(i), _ENTRY_COLUMN.get(f.kind, 0), 0] for i, f in enumerate(fields)],
+                    dtype=np.int64).reshape(len(fields), 8)
+    rows.setflags(write=False)
+    return rows, rows[:, 0] == 2, rows[:, 2], rows[:, 3], rows[:, 6]
 
 
 _HELD = KeepAlive()  # one per process: every round and thread (an overlap worker too) launches

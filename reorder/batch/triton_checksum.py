@@ -3,13 +3,23 @@ one launch sums every (sample, field) of a window. This module imports triton at
 interpreter needs `triton.language` among a kernel's module globals); only `checksum` imports it,
 and only for a CUDA launch or the interpreter.
 
-Input (built by `checksum.launch_table`), one int64 array: rows [programs, 2] of (piece row, first
-word), then from element `rows_at` on rows [pieces, 8] of (absolute address, entry stride in bytes,
-words per entry, words, word width, salt, output index, 0). A piece is one sample's entries of one
-field: `words / words per entry` entries of `words per entry` words of `width` bytes, entry e
-starting at address + e * stride. Program p sums words [first, min(first + CHUNK, words)) of its
-piece, each word w at byte c of entry e as (w + 1) * mix(c) * mix(e + salt), and adds the sum to
-out[output index] atomically (integer addition: the order of the additions changes no bit).
+Input (built by `checksum.launch_block`), one int64 array, its parts at the offsets given:
+- from 0: the first program of each buffer, then the number of programs ([buffers + 1]); buffer b
+  is field b % F of part b // F, and takes programs [first[b], first[b + 1]), one per CHUNK words;
+- `bufs_at`: rows [buffers, 4] of (absolute address, first sample, samples, words);
+- `fields_at`: rows [F, 8] of (kind: 0 dense, 1 per row or image, 2 list; leading entries `pre`,
+  entry bytes `unit`, word width, salt, checksum slot, counts column, 0);
+- `counts_at`, `starts_at`: [samples, C] the counts of every sample (`SampleCounts`, parts one after
+  the other), and per column the sum over the samples before it in its part;
+- `out_at`: [samples, SLOTS] the sums, zero, that the programs add to.
+
+A program finds its buffer (a binary search over the first programs), then the runs of its CHUNK
+words: a dense field's rows (entry e of sample j: `unit` bytes at (e * n + j) * unit) or a ragged
+field's samples (their entries one after the other from `start * unit`; a list sample one entry of
+its bytes). Each run is part of one sample's piece: its words w, at byte c of entry e, add
+(w + 1) * mix(c) * mix(e + salt) to the sample's sum of the field's slot, atomically (integer
+addition: the order of the additions changes no bit). So the launch needs no table of pieces: the
+host writes counts and addresses, the device cuts the work.
 """
 
 import triton
@@ -63,28 +73,79 @@ def _piece_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl
     return tl.sum(acc, axis=0)
 
 
-# rows_at changes with every table: specialized (Triton's default for integers: multiple of 16 or
-# not, equal to 1), it would compile a new variant mid-run the first time each case appears
-@triton.jit(do_not_specialize=["rows_at"])
-def checksum_pieces(table, rows_at, out, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per block row: sum up to CHUNK words of its piece, BLOCK lanes at a time, in
-    the piece's word width, and add the sum to its output word."""
-    pid = tl.program_id(0).to(tl.int64)
-    piece = tl.load(table + 2 * pid)
-    first = tl.load(table + 2 * pid + 1)
-    row = table + rows_at + 8 * piece
-    addr = tl.load(row)
-    stride = tl.load(row + 1)
-    wpe = tl.load(row + 2)
-    count = tl.minimum(tl.load(row + 3) - first, CHUNK)
-    width = tl.load(row + 4)
-    salt = tl.load(row + 5)
-    dst = out + tl.load(row + 6)
+@triton.jit
+def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr):
+    """`_piece_sum` in the field's word width."""
     if width == 8:
-        tl.atomic_add(dst, _piece_sum(addr, stride, wpe, salt, first, count, tl.int64, 8, BLOCK), sem="relaxed")
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int64, 8, BLOCK)
     elif width == 4:
-        tl.atomic_add(dst, _piece_sum(addr, stride, wpe, salt, first, count, tl.int32, 4, BLOCK), sem="relaxed")
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int32, 4, BLOCK)
     elif width == 2:
-        tl.atomic_add(dst, _piece_sum(addr, stride, wpe, salt, first, count, tl.int16, 2, BLOCK), sem="relaxed")
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int16, 2, BLOCK)
     else:
-        tl.atomic_add(dst, _piece_sum(addr, stride, wpe, salt, first, count, tl.uint8, 1, BLOCK), sem="relaxed")
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.uint8, 1, BLOCK)
+    return s
+
+
+# the offsets and sizes change with every window: specialized (Triton's default for integers:
+# multiple of 16 or not, equal to 1), they would compile a new variant mid-run as each case appears
+@triton.jit(do_not_specialize=["buffers", "fields", "bufs_at", "fields_at", "counts_at", "starts_at", "out_at",
+                               "columns"])
+def checksum_window(block, buffers, fields, bufs_at, fields_at, counts_at, starts_at, out_at, columns,
+                    SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per CHUNK words of a buffer: sum its runs (the parts of samples' pieces it
+    holds), BLOCK lanes at a time, and add each run's sum to its sample's output word."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = pid * 0  # the last buffer whose first program is at most pid
+    hi = lo + buffers
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(block + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    w0 = (pid - tl.load(block + lo)) * CHUNK
+    buf = block + bufs_at + 4 * lo
+    addr = tl.load(buf)
+    row0 = tl.load(buf + 1)
+    n = tl.load(buf + 2)
+    w1 = tl.minimum(w0 + CHUNK, tl.load(buf + 3))
+    fld = block + fields_at + 8 * (lo % fields)
+    kind = tl.load(fld)
+    unit = tl.load(fld + 2)
+    width = tl.load(fld + 3)
+    salt = tl.load(fld + 4)
+    slot = tl.load(fld + 5)
+    column = tl.load(fld + 6)
+    out = block + out_at + slot
+    if kind == 0:  # dense: rows of `unit` bytes, entry-major: row r is entry r // n of sample r % n
+        wpr = unit // width
+        r = w0 // wpr
+        while r * wpr < w1:
+            j = r % n
+            at = tl.maximum(w0, r * wpr)
+            count = tl.minimum(w1, (r + 1) * wpr) - at
+            s = _run_sum(addr + j * unit, n * unit, wpr, salt, (r // n) * wpr + at - r * wpr, count, width, BLOCK)
+            tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
+            r += 1
+    else:  # per row or image (entries of `unit` bytes), or list (one entry: the sample's bytes)
+        listed = kind == 2
+        per = tl.where(listed, 1, unit // width)  # words per count
+        lo_j = pid * 0  # the last sample starting at or before w0
+        hi_j = lo_j + n
+        while hi_j - lo_j > 1:
+            mid = (lo_j + hi_j) // 2
+            below = tl.load(block + starts_at + (row0 + mid) * columns + column) * per <= w0
+            lo_j = tl.where(below, mid, lo_j)
+            hi_j = tl.where(below, hi_j, mid)
+        j = lo_j
+        start = tl.load(block + starts_at + (row0 + j) * columns + column) * per
+        while (j < n) & (start < w1):
+            words = tl.load(block + counts_at + (row0 + j) * columns + column) * per
+            at = tl.maximum(w0, start)
+            count = tl.minimum(w1, start + words) - at
+            if count > 0:
+                wpe = tl.where(listed, words, per)
+                s = _run_sum(addr + start * width, unit, wpe, salt, at - start, count, width, BLOCK)
+                tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
+            j += 1
+            start += words

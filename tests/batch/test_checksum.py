@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from reorder.batch import checksum as cs
 from reorder.batch.checksum import checksums
 from reorder.plan.checksums import CHECKED_FIELDS
-from reorder.plan.counts import SampleCounts
+from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.moves import ByteField
 
 MASK64 = (1 << 64) - 1
@@ -263,40 +263,53 @@ def test_window_checksums_off_cuda_are_the_documented_sums(window):
 
 # --- the one-launch path, through a kernel that follows the documented table in plain Python -----
 
-class PlainPieces:
-    """`checksum_pieces` of reorder.batch.triton_checksum in plain Python, launched as the
-    interpreted kernel is (kernel[(programs,)](table, rows_at, out, CHUNK=, BLOCK=)), reading the
-    words by absolute address as documented there: program p reads its (piece row, first word) at
-    table[2p:2p+2], the piece's (address, entry stride, words per entry, words, width, salt, output
-    index, 0) at table[rows_at + 8 * piece:], sums at most CHUNK words from `first` and adds the sum
-    to out[output index]. BLOCK must be a power of two dividing CHUNK, as the kernel needs."""
+class PlainWindow:
+    """`checksum_window` of reorder.batch.triton_checksum in plain Python, launched as the
+    interpreted kernel is (kernel[(programs,)](block, buffers, fields, bufs_at, fields_at, counts_at,
+    starts_at, out_at, columns, SLOTS=, CHUNK=, BLOCK=)), reading the words by absolute address as
+    documented there, but cutting the work its own way: per buffer, every sample's piece whole
+    (a dense sample's `pre` entries n * unit bytes apart, a ragged sample's entries one after the
+    other from its start), summed in order, added to the sample's output word. The programs and
+    the chunks play no part in the sums; the launch's grid must be the documented number of
+    programs. BLOCK must be a power of two dividing CHUNK, as the kernel needs."""
 
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
-        def launch(table, rows_at, out, *, CHUNK, BLOCK):
+        def launch(block, buffers, fields, bufs_at, fields_at, counts_at, starts_at, out_at, columns, *, SLOTS, CHUNK,
+                   BLOCK):
             if BLOCK < 1 or BLOCK & (BLOCK - 1) or CHUNK % BLOCK:
                 raise ValueError(f"BLOCK {BLOCK} and CHUNK {CHUNK}")
-            t = table.tolist()
+            t = block.tolist()
             self.launches.append((grid, len(t)))
-            for p in range(grid[0]):
-                piece, first = t[2 * p:2 * p + 2]
-                addr, stride, wpe, words, width, salt, dst, zero = t[rows_at + 8 * piece:rows_at + 8 * piece + 8]
-                assert zero == 0
-                total = int(out[dst])
-                for k in range(first, first + min(words - first, CHUNK)):
-                    e, c = divmod(k, wpe)
-                    w = int.from_bytes(ctypes.string_at(addr + e * stride + c * width, width), "little",
-                                       signed=width > 1)
-                    total = (total + (w + 1) * spec_mix(c * width) * spec_mix(e + salt)) & MASK64
-                out[dst] = total - (1 << 64) if total >> 63 else total
+            assert t[0] == 0 and t[buffers] == grid[0] and all(x <= y for x, y in zip(t, t[1:buffers + 1]))
+            for b in range(buffers):
+                addr, row0, n, words = t[bufs_at + 4 * b:bufs_at + 4 * b + 4]
+                kind, pre, unit, width, salt, slot, column, zero = t[fields_at + 8 * (b % fields):][:8]
+                assert zero == 0 and t[b + 1] - t[b] == -(-words // CHUNK)
+                if not words:
+                    continue
+                for j in range(n):
+                    row = (row0 + j) * columns + column
+                    if kind == 0:
+                        entries = [(addr + (e * n + j) * unit, unit) for e in range(pre)]
+                    elif kind == 1:
+                        entries = [(addr + (t[starts_at + row] + e) * unit, unit) for e in range(t[counts_at + row])]
+                    else:
+                        entries = [(addr + t[starts_at + row], t[counts_at + row])] if t[counts_at + row] else []
+                    total = int(block[out_at + (row0 + j) * SLOTS + slot]) & MASK64  # fields may share a slot
+                    for e, (at, size) in enumerate(entries):
+                        for c in range(0, size, width):
+                            w = int.from_bytes(ctypes.string_at(at + c, width), "little", signed=width > 1)
+                            total = (total + (w + 1) * spec_mix(c) * spec_mix(e + salt)) & MASK64
+                    block[out_at + (row0 + j) * SLOTS + slot] = total - (1 << 64) if total >> 63 else total
         return launch
 
 
 @pytest.fixture
 def plain_kernel(monkeypatch):
-    kernel = PlainPieces()
+    kernel = PlainWindow()
     monkeypatch.setattr(cs, "_KERNEL", [kernel])
     return kernel
 
@@ -304,13 +317,13 @@ def plain_kernel(monkeypatch):
 @settings(max_examples=60, deadline=None)
 @given(windows(), st.sampled_from([(4, 8), (8, 8), (16, 64)]), st.integers(0, 2**20))
 def test_one_launch_gives_the_documented_sums(window, sizes, skip):
-    """Every (sample, field) of every micro-batch summed by one launch (pieces cut into programs of
-    `chunk` words, BLOCK lanes) where the kernel can read the buffer, the others (here: those a
-    stand-in for `_readable` refuses, every `skip`-th one) by torch ops and added in; one program
-    per `chunk` words of each piece (no word: no launch); no readable buffer: None."""
+    """Every (sample, field) of every micro-batch summed by one launch where the kernel can read the
+    buffer, the others (here: those a stand-in for `_readable` refuses, every `skip`-th one) by
+    torch ops and added in; one program per `chunk` words of each readable buffer's samples (no
+    word: no launch); no readable buffer: None."""
     fields, parts = window
     block, chunk = sizes
-    kernel = PlainPieces()
+    kernel = PlainWindow()
     unread = {id(b) for i, (bufs, _, _, _) in enumerate(parts) for f, b in enumerate(bufs) if skip >> ((i * 7 + f) % 20) & 1}
     readable, cs._readable = cs._readable, lambda t, device, interpret: id(t) not in unread and readable(t, device, interpret)
     cs._KERNEL[:] = [kernel]
@@ -325,10 +338,10 @@ def test_one_launch_gives_the_documented_sums(window, sizes, skip):
         return
     assert got.dtype == torch.int64 and got.device.type == "cpu"
     assert got.numpy().view(np.uint64).tolist() == spec_window(fields, parts)
-    words = [sum(len(e) for e in entries) // spec_width(kind, unit)
+    words = [sum(len(e) for entries in spec_entries(kind, pre, unit, d, counts.shape[0], plain) for e in entries)
+             // spec_width(kind, unit)
              for bufs, counts, datas, plain in parts
-             for (kind, pre, unit), b, d in zip(fields, bufs, datas) if id(b) not in unread
-             for entries in spec_entries(kind, pre, unit, d, counts.shape[0], plain)]
+             for (kind, pre, unit), b, d in zip(fields, bufs, datas) if id(b) not in unread]
     programs = sum(-(-w // chunk) for w in words)
     assert [grid for grid, _ in kernel.launches] == ([(programs,)] if programs else [])
 
@@ -357,16 +370,16 @@ def test_the_launch_device_and_what_it_can_read(monkeypatch, plain_kernel):
 
 
 def test_the_kernel_is_imported_once_and_a_failed_launch_is_logged_once(monkeypatch, caplog):
-    """The first use imports `checksum_pieces` from reorder.batch.triton_checksum and keeps it; an
+    """The first use imports `checksum_window` from reorder.batch.triton_checksum and keeps it; an
     import that fails means torch ops, with nothing logged; a launch that raises is logged once, in
     full, and the torch ops sum from then on."""
     from support.kernels import BrokenKernel
     counts = SampleCounts.of(rows=np.zeros(1, np.int64))
     parts = [([torch.arange(8, dtype=torch.uint8)], counts)]
     fields = (ByteField("dense", 1, 8),)
-    kernel = PlainPieces()
+    kernel = PlainWindow()
     monkeypatch.setattr(cs, "_KERNEL", [])
-    monkeypatch.setitem(sys.modules, "reorder.batch.triton_checksum", types.SimpleNamespace(checksum_pieces=kernel))
+    monkeypatch.setitem(sys.modules, "reorder.batch.triton_checksum", types.SimpleNamespace(checksum_window=kernel))
     want = cs.torch_checksums(parts, fields)
     assert torch.equal(cs.kernel_checksums(parts, fields, "cpu", interpret=True), want) and cs._KERNEL == [kernel]
     monkeypatch.setattr(cs, "_KERNEL", [])
@@ -387,30 +400,54 @@ def test_the_kernel_is_imported_once_and_a_failed_launch_is_logged_once(monkeypa
 def test_a_part_with_a_buffer_per_field_only():
     counts = SampleCounts.of(rows=np.zeros(1, np.int64))
     with pytest.raises(ValueError) as e:
-        cs.launch_table([([torch.zeros(8, dtype=torch.uint8)], counts), ([], counts)], (ByteField("dense", 1, 8),),
+        cs.launch_block([([torch.zeros(8, dtype=torch.uint8)], counts), ([], counts)], (ByteField("dense", 1, 8),),
                         [[True], []], 16)
     assert str(e.value) == "part 1 has 0 buffers for 1 fields"
 
 
 @pytest.mark.parametrize("chunk", [4, 8])
-def test_each_piece_is_cut_into_programs_of_chunk_words(chunk):
-    """A piece of w words takes ceil(w / chunk) programs, at words 0, chunk, 2 chunk, ...: here list
-    pieces of chunk - 1, chunk, chunk + 1 and 2 chunk bytes (1-byte words)."""
+def test_each_buffer_is_cut_into_programs_of_chunk_words(chunk):
+    """A readable buffer whose samples hold w words takes ceil(w / chunk) programs, whatever their
+    samples: here list fields of chunk - 1, chunk, chunk + 1 and 2 chunk bytes (1-byte words) in
+    parts of one to four samples; an unreadable buffer takes none (its words: 0)."""
     sizes = [chunk - 1, chunk, chunk + 1, 2 * chunk]
-    counts = SampleCounts.of(list_bytes=np.array(sizes))
-    buf = torch.arange(sum(sizes), dtype=torch.uint8)
-    table, programs = cs.launch_table([([buf], counts)], (ByteField("list", 1, 1),), [[True]], chunk)
-    assert programs == sum(-(-w // chunk) for w in sizes) == 6
-    starts = table[:2 * programs].reshape(programs, 2).tolist()
-    assert starts == \
-        [[q, at] for q, w in enumerate(sizes) for at in range(0, w, chunk)]
+    parts, readable = [], []
+    for k in range(1, 5):
+        counts = SampleCounts.of(list_bytes=np.array(sizes[:k]))
+        parts.append(([torch.arange(sum(sizes[:k]), dtype=torch.uint8)], counts))
+        readable.append([k != 2])
+    block, programs, at = cs.launch_block(parts, (ByteField("list", 1, 1),), readable, chunk)
+    want = [-(-sum(sizes[:k]) // chunk) if k != 2 else 0 for k in range(1, 5)]
+    assert programs == sum(want) and block[:5].tolist() == np.concatenate([[0], np.cumsum(want)]).tolist()
+    rows = block[at["bufs_at"]:at["fields_at"]].reshape(4, 4)
+    assert rows[:, 1:].tolist() == [[0, 1, chunk - 1], [1, 2, 0], [3, 3, 3 * chunk], [6, 4, 5 * chunk]]
+    assert rows[:, 0].tolist() == [t.data_ptr() for [t], _ in parts]
+
+
+def test_the_counts_and_their_starts_per_part():
+    """The counts of every sample, parts one after the other, and per column the sum over the
+    samples before it in its part; the output words zero."""
+    a = SampleCounts.of(rows=np.array([2, 0, 3]), images=np.array([1, 0, 2]))
+    b = SampleCounts.of(rows=np.array([4, 1]), images=np.array([0, 5]))
+    fields = (ByteField("row", 1, 8), ByteField("image", 1, 24))
+    parts = [([torch.zeros(5, 8, dtype=torch.uint8), torch.zeros(3, 24, dtype=torch.uint8)], a),
+             ([torch.zeros(5, 8, dtype=torch.uint8), torch.zeros(5, 24, dtype=torch.uint8)], b)]
+    block, programs, at = cs.launch_block(parts, fields, [[True, True], [True, True]], 16)
+    c = len(a.table[0])
+    counts = block[at["counts_at"]:at["starts_at"]].reshape(5, c)
+    starts = block[at["starts_at"]:at["out_at"]].reshape(5, c)
+    assert counts.tolist() == np.concatenate([a.table, b.table]).tolist()
+    assert starts[:, COLUMNS.index("rows")].tolist() == [0, 2, 2, 0, 4]
+    assert starts[:, COLUMNS.index("images")].tolist() == [0, 1, 1, 0, 0]
+    assert block[at["out_at"]:].tolist() == [0] * 5 * CHECKED_FIELDS
+    assert len(block) == at["out_at"] + 5 * CHECKED_FIELDS and at["columns"] == c
 
 
 def test_a_dense_buffer_smaller_than_its_samples_is_refused():
     """A dense field of `pre` leading entries holds pre * n * unit bytes; one byte less is refused."""
     counts = SampleCounts.of(rows=np.zeros(3, np.int64))
     field = ByteField("dense", 2, 4)
-    cs.launch_table([([torch.zeros(24, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
+    cs.launch_block([([torch.zeros(24, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
     with pytest.raises(ValueError) as e:
-        cs.launch_table([([torch.zeros(23, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
+        cs.launch_block([([torch.zeros(23, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
     assert str(e.value) == "field 0 of part 0: its buffer holds 23 bytes, its counts need 24"

@@ -4,7 +4,7 @@ float32, uint8 and bool; odd entry sizes, empty fields and samples, buffers off 
 alignment, fields sharing the last slot, buffers the kernel cannot read summed by torch ops) through Triton's interpreter (a subprocess with
 TRITON_INTERPRET=1, when triton is importable), a flipped byte changing exactly its (sample,
 field), and the round's self-check with the kernel on both sides. Without triton: the launch
-table, the dispatch off CUDA, and the fallback when a launch raises."""
+block, the dispatch off CUDA, and the fallback when a launch raises."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from reorder.batch import checksum as cs
 from reorder.plan.checksums import CHECKED_FIELDS, field_slot, word_width
-from reorder.plan.counts import SampleCounts
+from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.moves import ByteField
 from support.checks import field_owner
 from support.kernels import BrokenKernel
@@ -180,54 +180,50 @@ def test_checksum_kernel_in_interpreter():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_checksum_kernel_specializes_only_what_stays_fixed():
-    """The table offset changes with every window: not specialized (no variant compiled mid-run)."""
-    from reorder.batch.triton_checksum import checksum_pieces
+    """The offsets and sizes change with every window: not specialized (no variant compiled mid-run);
+    the block's address, the output words per sample, the chunk and the lanes stay fixed."""
+    from reorder.batch.triton_checksum import checksum_window
 
-    assert {p.name for p in checksum_pieces.params if p.do_not_specialize} == {"rows_at"}
-    assert {p.name for p in checksum_pieces.params if p.is_constexpr} == {"CHUNK", "BLOCK"}
+    assert {p.name for p in checksum_window.params if p.do_not_specialize} == {
+        "buffers", "fields", "bufs_at", "fields_at", "counts_at", "starts_at", "out_at", "columns"}
+    assert {p.name for p in checksum_window.params if p.is_constexpr} == {"SLOTS", "CHUNK", "BLOCK"}
 
 
 # --- without triton ---------------------------------------------------------------------------------
 
 @settings(max_examples=40, deadline=None)
 @given(windows(), st.sampled_from([16, 48, 1024]))
-def test_the_launch_table_cuts_every_readable_word_once(window, chunk):
-    """Pieces: one per (sample, field) with words, of the field's word width, stride and output
-    word; programs: each piece's words in chunks, in order, without gaps or overlaps."""
+def test_the_launch_block_gives_every_buffer_its_words_and_programs(window, chunk):
+    """Per buffer (field b % F of part b // F): its address, its part's first sample and samples, the
+    words of its samples (0 where the kernel does not read it), and ceil(words / chunk) programs
+    from the first program of the buffers before it; per field its kind, sizes, word width, salt,
+    slot and counts column."""
     parts, fields = window
-    readable = [[t.is_contiguous() for t in bufs] for bufs, _ in parts]
-    table, programs = cs.launch_table(parts, fields, readable, chunk)
-    blocks = table[:2 * programs].reshape(programs, 2)
-    pieces = table[2 * programs:].reshape(-1, cs.PIECE_WORDS)
-    want, at = {}, 0
+    readable = [[t.is_contiguous() and (p + f) % 3 != 1 for f, t in enumerate(bufs)] for p, (bufs, _) in enumerate(parts)]
+    block, programs, at = cs.launch_block(parts, fields, readable, chunk)
+    rows = block[at["bufs_at"]:at["fields_at"]].reshape(-1, 4).tolist()
+    want, first, row0 = [], [0], 0
     for (bufs, counts), r in zip(parts, readable):
         n = counts.shape[0]
         for f, ((kind, pre, unit), t, ok) in enumerate(zip(fields, bufs, r)):
-            width = word_width(kind, unit)
-            entries = counts.entries(kind) * (pre if kind == "dense" else 1)
-            size = counts.list_bytes if kind == "list" else np.full(n, unit)
-            if kind == "list":
-                entries = (size > 0).astype(np.int64)
-            for j in range(n):
-                words = int(entries[j] * size[j] // width)
-                if ok and words:
-                    key = (at + j) * CHECKED_FIELDS + field_slot(f)
-                    want.setdefault(key, []).append((words, width, max(0, f - CHECKED_FIELDS + 1) << 32))
-        at += n
-    got = {}
-    for addr, stride, wpe, words, width, salt, out, zero in pieces.tolist():
-        assert zero == 0 and wpe > 0 and words % wpe == 0
-        got.setdefault(out, []).append((words, width, salt))
-    assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in want.items()}
-    for q, (*_, words, _, _, _, _) in enumerate(pieces.tolist()):
-        starts = blocks[blocks[:, 0] == q, 1].tolist()
-        assert starts == list(range(0, words, chunk))
+            held = {"dense": pre * n * unit, "list": int(counts.list_bytes.sum())}.get(
+                kind, int(counts.entries(kind).sum()) * unit)
+            words = held // word_width(kind, unit) if ok else 0
+            want.append([t.data_ptr(), row0, n, words])
+            first.append(first[-1] + -(-words // chunk))
+        row0 += n
+    assert rows == want and block[:len(first)].tolist() == first and programs == first[-1]
+    kinds = {"dense": 0, "row": 1, "image": 1, "list": 2}
+    column = {"row": "rows", "image": "images", "list": "list_bytes"}
+    assert block[at["fields_at"]:at["counts_at"]].reshape(-1, 8).tolist() == [
+        [kinds[kind], pre, unit, word_width(kind, unit), max(0, f - CHECKED_FIELDS + 1) << 32, field_slot(f),
+         COLUMNS.index(column[kind]) if kind in column else 0, 0] for f, (kind, pre, unit) in enumerate(fields)]
 
 
 def test_a_buffer_smaller_than_its_counts_is_refused():
     counts = SampleCounts.of(rows=np.array([2, 1]))
     with pytest.raises(ValueError, match="field 0 of part 0: its buffer holds 16 bytes, its counts need 24"):
-        cs.launch_table([([torch.zeros(2, dtype=torch.int64)], counts)], (ByteField("row", 1, 8),), [[True]], 16)
+        cs.launch_block([([torch.zeros(2, dtype=torch.int64)], counts)], (ByteField("row", 1, 8),), [[True]], 16)
 
 
 def test_off_cuda_the_window_is_summed_by_torch_ops(monkeypatch):
