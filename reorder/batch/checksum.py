@@ -22,6 +22,7 @@ addresses (`launch_block`), else, or when the launch raises (logged once), with 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -194,17 +195,18 @@ def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     _, programs, at = launch_block(parts, fields, readable, chunk, alloc=lambda size: staged.append(
         torch.empty(size, dtype=torch.int64, pin_memory=not interpret)) or staged[0].numpy())
     data = staged[0]
-    args = (at["buffers"], at["fields"], at["bufs_at"], at["fields_at"], at["counts_at"], at["starts_at"], at["out_at"],
-            at["columns"])
+    args = (at["buffers"], at["fields"], at["bufs_at"], at["fields_at"], at["counts_at"], at["out_at"], at["columns"])
     try:
         if interpret:
             if programs:
-                kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block)
+                kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, SAMPLES=at["samples"])
         else:
-            with torch.cuda.device(device):  # Triton launches on the current device and stream
+            # Triton launches on the current device and stream (the context only where another is current)
+            with contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device):
                 data = data.to(device, non_blocking=True)
                 if programs:
-                    kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, num_warps=4)
+                    kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block,
+                                        SAMPLES=at["samples"], num_warps=4)
                     _HELD.hold([t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r)
                                 if ok and not t.is_cuda], torch.cuda.current_stream(device))
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
@@ -257,49 +259,38 @@ def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
 
 
 def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int, dict]:
-    """The kernel's input as one int64 array, its number of programs, and the offsets of its parts
-    (the kernel's arguments; `triton_checksum` documents the layout). Buffer b is field b % F of
-    part b // F; the kernel reads it when `readable[part][field]` and it holds words, in programs
-    of `chunk` words each. Built with a fixed number of array operations, whatever the window's
-    micro-batches and samples: the device cuts the pieces. The output words (zero) come last.
-    `alloc(size)` gives the int64 array to fill (default np.empty). ValueError for a buffer smaller
-    than its counts say."""
-    for p, (bufs, _) in enumerate(parts):
-        if len(bufs) != len(fields):
-            raise ValueError(f"part {p} has {len(bufs)} buffers for {len(fields)} fields")
-    rows, listed, unit, width, columns = _field_constants(tuple(fields))
-    n = np.array([counts.shape[0] for _, counts in parts], dtype=np.int64)
+    """The kernel's input as one int64 array, its number of programs, and its other arguments (the
+    offsets of the array's parts and its sizes; `triton_checksum` documents the layout). Buffer b
+    is field b % F of part b // F; the kernel reads it when `readable[part][field]`, in programs of
+    `chunk` words over its bytes. The host writes what it holds, in a fixed number of array
+    operations whatever the window's micro-batches and samples (the field rows made once per
+    layout); the device cuts the work. The output words (zero) come last. `alloc(size)` gives the
+    int64 array to fill (default np.empty)."""
+    rows, widths = _field_constants(tuple(fields))
+    bufs, first, row0, most = [], [0], 0, 1
+    for p, ((held, counts), r) in enumerate(zip(parts, readable)):
+        if len(held) != len(fields):
+            raise ValueError(f"part {p} has {len(held)} buffers for {len(fields)} fields")
+        n = len(counts.table)
+        for t, ok, width in zip(held, r, widths):
+            size = t.nbytes if ok else 0
+            first.append(first[-1] + -(-(size // width) // chunk))
+            bufs += (t.data_ptr(), size, row0, n)
+        row0, most = row0 + n, max(most, n)
     counts = np.concatenate([c.table for _, c in parts]) if parts else np.zeros((0, len(COLUMNS)), np.int64)
-    before = np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, axis=0)])
-    row0 = np.cumsum(n) - n
-    starts = before[:-1] - np.repeat(before[row0], n, axis=0)  # per column: the sum over the part's samples before
-    totals = before[row0 + n] - before[row0]  # [parts, columns]
-    need = np.where(rows[:, 0] == 0, rows[:, 1] * n[:, None], totals[:, columns]) * np.where(listed, 1, unit)  # [P, F]
-    ptr = np.array([[t.data_ptr() for t in bufs] for bufs, _ in parts], dtype=np.int64).reshape(need.shape)
-    nbytes = np.array([[t.nbytes for t in bufs] for bufs, _ in parts], dtype=np.int64).reshape(need.shape)
-    read = np.array(readable, dtype=bool).reshape(need.shape)
-    short = np.argwhere(read & (nbytes < need))
-    if len(short):
-        p, f = (int(x) for x in short[0])
-        raise ValueError(f"field {f} of part {p}: its buffer holds {nbytes[p, f]} bytes, its counts need {need[p, f]}")
-    words = np.where(read, need // width, 0)
-    first = np.concatenate([[0], np.cumsum(-(-words // chunk))])
-    programs, buffers, samples = int(first[-1]), words.size, len(counts)
+    buffers = len(first) - 1
     at = {"bufs_at": buffers + 1}
     at["fields_at"] = at["bufs_at"] + 4 * buffers
-    at["counts_at"] = at["fields_at"] + 8 * len(fields)
-    at["starts_at"] = at["counts_at"] + counts.size
-    at["out_at"] = at["starts_at"] + counts.size
-    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + samples * CHECKED_FIELDS)
-    out[:buffers + 1] = first
-    bufs = out[at["bufs_at"]:at["fields_at"]].reshape(buffers, 4)
-    bufs[:, 0], bufs[:, 1], bufs[:, 2], bufs[:, 3] = ptr.ravel(), np.repeat(row0, len(fields)), np.repeat(n, len(fields)), \
-        words.ravel()
+    at["counts_at"] = at["fields_at"] + rows.size
+    at["out_at"] = at["counts_at"] + counts.size
+    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + row0 * CHECKED_FIELDS)
+    out[:at["bufs_at"]] = first
+    out[at["bufs_at"]:at["fields_at"]] = bufs
     out[at["fields_at"]:at["counts_at"]] = rows.ravel()
-    out[at["counts_at"]:at["starts_at"]] = counts.ravel()
-    out[at["starts_at"]:at["out_at"]] = starts.ravel()
+    out[at["counts_at"]:at["out_at"]] = counts.ravel()
     out[at["out_at"]:] = 0
-    return out, programs, dict(at, buffers=buffers, fields=len(fields), columns=counts.shape[1])
+    return out, first[-1], dict(at, buffers=buffers, fields=len(fields), columns=counts.shape[1],
+                                samples=max(16, 1 << (most - 1).bit_length()))
 
 
 _KINDS = {"dense": 0, "row": 1, "image": 1, "list": 2}
@@ -308,15 +299,14 @@ _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"),
 
 @functools.lru_cache(maxsize=64)
 def _field_constants(fields: tuple) -> tuple:
-    """Per field of `fields`: its rows of the kernel's input [F, 8] (kind, pre, unit, word width,
-    salt, checksum slot, counts column of its entries, 0), and as arrays [F]: list or not, unit,
-    word width, counts column (a dense field's: any; its entries are `pre`). The same every window
-    of a layout: made once."""
+    """The kernel's rows of `fields` [F, 8] (kind, pre, unit, word width, salt, checksum slot,
+    counts column of its entries (a dense field's: any), 0) and their word widths. The same every
+    window of a layout: made once."""
     rows = np.array([[_KINDS[f.kind], f.pre, f.unit, word_width(f.kind, f.unit), max(0, i - (CHECKED_FIELDS - 1)) << 32,
                       field_slot(i), _ENTRY_COLUMN.get(f.kind, 0), 0] for i, f in enumerate(fields)],
                     dtype=np.int64).reshape(len(fields), 8)
     rows.setflags(write=False)
-    return rows, rows[:, 0] == 2, rows[:, 2], rows[:, 3], rows[:, 6]
+    return rows, rows[:, 3].tolist()
 
 
 _HELD = KeepAlive()  # one per process: every round and thread (an overlap worker too) launches

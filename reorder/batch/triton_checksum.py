@@ -6,20 +6,20 @@ and only for a CUDA launch or the interpreter.
 Input (built by `checksum.launch_block`), one int64 array, its parts at the offsets given:
 - from 0: the first program of each buffer, then the number of programs ([buffers + 1]); buffer b
   is field b % F of part b // F, and takes programs [first[b], first[b + 1]), one per CHUNK words;
-- `bufs_at`: rows [buffers, 4] of (absolute address, first sample, samples, words);
+- `bufs_at`: rows [buffers, 4] of (absolute address, bytes, first sample, samples);
 - `fields_at`: rows [F, 8] of (kind: 0 dense, 1 per row or image, 2 list; leading entries `pre`,
   entry bytes `unit`, word width, salt, checksum slot, counts column, 0);
-- `counts_at`, `starts_at`: [samples, C] the counts of every sample (`SampleCounts`, parts one after
-  the other), and per column the sum over the samples before it in its part;
+- `counts_at`: [samples, C] the counts of every sample (`SampleCounts`, parts one after the other);
 - `out_at`: [samples, SLOTS] the sums, zero, that the programs add to.
 
 A program finds its buffer (a binary search over the first programs), then the runs of its CHUNK
 words: a dense field's rows (entry e of sample j: `unit` bytes at (e * n + j) * unit) or a ragged
-field's samples (their entries one after the other from `start * unit`; a list sample one entry of
-its bytes). Each run is part of one sample's piece: its words w, at byte c of entry e, add
-(w + 1) * mix(c) * mix(e + salt) to the sample's sum of the field's slot, atomically (integer
-addition: the order of the additions changes no bit). So the launch needs no table of pieces: the
-host writes counts and addresses, the device cuts the work.
+field's samples (their entries one after the other; where each starts, the program sums up from
+the part's counts; a list sample is one entry of its bytes). Each run is part of one sample's
+piece: its words w, at byte c of entry e, add (w + 1) * mix(c) * mix(e + salt) to the sample's sum
+of the field's slot, atomically (integer addition: the order of the additions changes no bit). No
+byte at or past a buffer's size is read: a buffer shorter than its counts gives other sums. So the
+host writes what it holds (counts and addresses) and the device cuts the work.
 """
 
 import triton
@@ -89,12 +89,12 @@ def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr):
 
 # the offsets and sizes change with every window: specialized (Triton's default for integers:
 # multiple of 16 or not, equal to 1), they would compile a new variant mid-run as each case appears
-@triton.jit(do_not_specialize=["buffers", "fields", "bufs_at", "fields_at", "counts_at", "starts_at", "out_at",
-                               "columns"])
-def checksum_window(block, buffers, fields, bufs_at, fields_at, counts_at, starts_at, out_at, columns,
-                    SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["buffers", "fields", "bufs_at", "fields_at", "counts_at", "out_at", "columns"])
+def checksum_window(block, buffers, fields, bufs_at, fields_at, counts_at, out_at, columns, SLOTS: tl.constexpr,
+                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
     """One program per CHUNK words of a buffer: sum its runs (the parts of samples' pieces it
-    holds), BLOCK lanes at a time, and add each run's sum to its sample's output word."""
+    holds), BLOCK lanes at a time, and add each run's sum to its sample's output word. SAMPLES:
+    a power of two, at least every part's samples."""
     pid = tl.program_id(0).to(tl.int64)
     lo = pid * 0  # the last buffer whose first program is at most pid
     hi = lo + buffers
@@ -103,24 +103,25 @@ def checksum_window(block, buffers, fields, bufs_at, fields_at, counts_at, start
         below = tl.load(block + mid) <= pid
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
-    w0 = (pid - tl.load(block + lo)) * CHUNK
     buf = block + bufs_at + 4 * lo
     addr = tl.load(buf)
-    row0 = tl.load(buf + 1)
-    n = tl.load(buf + 2)
-    w1 = tl.minimum(w0 + CHUNK, tl.load(buf + 3))
+    row0 = tl.load(buf + 2)
+    n = tl.load(buf + 3)
     fld = block + fields_at + 8 * (lo % fields)
     kind = tl.load(fld)
+    pre = tl.load(fld + 1)
     unit = tl.load(fld + 2)
     width = tl.load(fld + 3)
     salt = tl.load(fld + 4)
     slot = tl.load(fld + 5)
     column = tl.load(fld + 6)
+    w0 = (pid - tl.load(block + lo)) * CHUNK
+    w1 = tl.minimum(w0 + CHUNK, tl.load(buf + 1) // width)  # no word past the buffer's end
     out = block + out_at + slot
     if kind == 0:  # dense: rows of `unit` bytes, entry-major: row r is entry r // n of sample r % n
         wpr = unit // width
         r = w0 // wpr
-        while r * wpr < w1:
+        while (r * wpr < w1) & (r < pre * n):
             j = r % n
             at = tl.maximum(w0, r * wpr)
             count = tl.minimum(w1, (r + 1) * wpr) - at
@@ -130,22 +131,19 @@ def checksum_window(block, buffers, fields, bufs_at, fields_at, counts_at, start
     else:  # per row or image (entries of `unit` bytes), or list (one entry: the sample's bytes)
         listed = kind == 2
         per = tl.where(listed, 1, unit // width)  # words per count
-        lo_j = pid * 0  # the last sample starting at or before w0
-        hi_j = lo_j + n
-        while hi_j - lo_j > 1:
-            mid = (lo_j + hi_j) // 2
-            below = tl.load(block + starts_at + (row0 + mid) * columns + column) * per <= w0
-            lo_j = tl.where(below, mid, lo_j)
-            hi_j = tl.where(below, hi_j, mid)
-        j = lo_j
-        start = tl.load(block + starts_at + (row0 + j) * columns + column) * per
+        lane = tl.arange(0, SAMPLES)
+        words = tl.load(block + counts_at + (row0 + lane) * columns + column, mask=lane < n, other=0) * per
+        ends = tl.cumsum(words, 0)
+        starts = ends - words
+        j = tl.sum(((ends <= w0) & (lane < n)).to(tl.int64), 0)  # the first sample ending past w0
+        start = tl.sum(tl.where(lane == j, starts, 0), 0)
         while (j < n) & (start < w1):
-            words = tl.load(block + counts_at + (row0 + j) * columns + column) * per
+            size = tl.sum(tl.where(lane == j, words, 0), 0)
             at = tl.maximum(w0, start)
-            count = tl.minimum(w1, start + words) - at
+            count = tl.minimum(w1, start + size) - at
             if count > 0:
-                wpe = tl.where(listed, words, per)
+                wpe = tl.where(listed, size, per)
                 s = _run_sum(addr + start * width, unit, wpe, salt, at - start, count, width, BLOCK)
                 tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
             j += 1
-            start += words
+            start += size

@@ -266,41 +266,44 @@ def test_window_checksums_off_cuda_are_the_documented_sums(window):
 class PlainWindow:
     """`checksum_window` of reorder.batch.triton_checksum in plain Python, launched as the
     interpreted kernel is (kernel[(programs,)](block, buffers, fields, bufs_at, fields_at, counts_at,
-    starts_at, out_at, columns, SLOTS=, CHUNK=, BLOCK=)), reading the words by absolute address as
+    out_at, columns, SLOTS=, CHUNK=, BLOCK=, SAMPLES=)), reading the words by absolute address as
     documented there, but cutting the work its own way: per buffer, every sample's piece whole
     (a dense sample's `pre` entries n * unit bytes apart, a ragged sample's entries one after the
-    other from its start), summed in order, added to the sample's output word. The programs and
-    the chunks play no part in the sums; the launch's grid must be the documented number of
-    programs. BLOCK must be a power of two dividing CHUNK, as the kernel needs."""
+    other from the sum of the counts before it), summed in order up to the buffer's size, added to
+    the sample's output word. The programs and chunks play no part in the sums; the launch's grid
+    must be the documented number of programs. BLOCK must be a power of two dividing CHUNK, and
+    SAMPLES a power of two no smaller than any part's samples, as the kernel needs."""
 
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
-        def launch(block, buffers, fields, bufs_at, fields_at, counts_at, starts_at, out_at, columns, *, SLOTS, CHUNK,
-                   BLOCK):
-            if BLOCK < 1 or BLOCK & (BLOCK - 1) or CHUNK % BLOCK:
-                raise ValueError(f"BLOCK {BLOCK} and CHUNK {CHUNK}")
+        def launch(block, buffers, fields, bufs_at, fields_at, counts_at, out_at, columns, *, SLOTS, CHUNK, BLOCK,
+                   SAMPLES):
+            if BLOCK < 1 or BLOCK & (BLOCK - 1) or CHUNK % BLOCK or SAMPLES & (SAMPLES - 1):
+                raise ValueError(f"BLOCK {BLOCK}, CHUNK {CHUNK}, SAMPLES {SAMPLES}")
             t = block.tolist()
             self.launches.append((grid, len(t)))
             assert t[0] == 0 and t[buffers] == grid[0] and all(x <= y for x, y in zip(t, t[1:buffers + 1]))
             for b in range(buffers):
-                addr, row0, n, words = t[bufs_at + 4 * b:bufs_at + 4 * b + 4]
+                addr, size, row0, n = t[bufs_at + 4 * b:bufs_at + 4 * b + 4]
                 kind, pre, unit, width, salt, slot, column, zero = t[fields_at + 8 * (b % fields):][:8]
-                assert zero == 0 and t[b + 1] - t[b] == -(-words // CHUNK)
-                if not words:
+                assert zero == 0 and n <= SAMPLES and t[b + 1] - t[b] == -(-(size // width) // CHUNK)
+                if not size:
                     continue
+                counts = [t[counts_at + (row0 + j) * columns + column] for j in range(n)]
                 for j in range(n):
-                    row = (row0 + j) * columns + column
                     if kind == 0:
                         entries = [(addr + (e * n + j) * unit, unit) for e in range(pre)]
                     elif kind == 1:
-                        entries = [(addr + (t[starts_at + row] + e) * unit, unit) for e in range(t[counts_at + row])]
+                        entries = [(addr + (sum(counts[:j]) + e) * unit, unit) for e in range(counts[j])]
                     else:
-                        entries = [(addr + t[starts_at + row], t[counts_at + row])] if t[counts_at + row] else []
+                        entries = [(addr + sum(counts[:j]), counts[j])] if counts[j] else []
                     total = int(block[out_at + (row0 + j) * SLOTS + slot]) & MASK64  # fields may share a slot
-                    for e, (at, size) in enumerate(entries):
-                        for c in range(0, size, width):
+                    for e, (at, length) in enumerate(entries):
+                        for c in range(0, length, width):
+                            if at + c + width > addr + size // width * width:
+                                break  # no word past the buffer's end
                             w = int.from_bytes(ctypes.string_at(at + c, width), "little", signed=width > 1)
                             total = (total + (w + 1) * spec_mix(c) * spec_mix(e + salt)) & MASK64
                     block[out_at + (row0 + j) * SLOTS + slot] = total - (1 << 64) if total >> 63 else total
@@ -319,8 +322,8 @@ def plain_kernel(monkeypatch):
 def test_one_launch_gives_the_documented_sums(window, sizes, skip):
     """Every (sample, field) of every micro-batch summed by one launch where the kernel can read the
     buffer, the others (here: those a stand-in for `_readable` refuses, every `skip`-th one) by
-    torch ops and added in; one program per `chunk` words of each readable buffer's samples (no
-    word: no launch); no readable buffer: None."""
+    torch ops and added in; one program per `chunk` words of each readable buffer (no word: no
+    launch); no readable buffer: None."""
     fields, parts = window
     block, chunk = sizes
     kernel = PlainWindow()
@@ -338,10 +341,8 @@ def test_one_launch_gives_the_documented_sums(window, sizes, skip):
         return
     assert got.dtype == torch.int64 and got.device.type == "cpu"
     assert got.numpy().view(np.uint64).tolist() == spec_window(fields, parts)
-    words = [sum(len(e) for entries in spec_entries(kind, pre, unit, d, counts.shape[0], plain) for e in entries)
-             // spec_width(kind, unit)
-             for bufs, counts, datas, plain in parts
-             for (kind, pre, unit), b, d in zip(fields, bufs, datas) if id(b) not in unread]
+    words = [b.nbytes // spec_width(kind, unit) for bufs, _, _, _ in parts
+             for (kind, pre, unit), b in zip(fields, bufs) if id(b) not in unread]
     programs = sum(-(-w // chunk) for w in words)
     assert [grid for grid, _ in kernel.launches] == ([(programs,)] if programs else [])
 
@@ -407,9 +408,9 @@ def test_a_part_with_a_buffer_per_field_only():
 
 @pytest.mark.parametrize("chunk", [4, 8])
 def test_each_buffer_is_cut_into_programs_of_chunk_words(chunk):
-    """A readable buffer whose samples hold w words takes ceil(w / chunk) programs, whatever their
-    samples: here list fields of chunk - 1, chunk, chunk + 1 and 2 chunk bytes (1-byte words) in
-    parts of one to four samples; an unreadable buffer takes none (its words: 0)."""
+    """A readable buffer of w words takes ceil(w / chunk) programs, whatever its samples: here list
+    fields of chunk - 1, chunk, chunk + 1 and 2 chunk bytes (1-byte words) in parts of one to four
+    samples; an unreadable buffer takes none (its bytes: 0)."""
     sizes = [chunk - 1, chunk, chunk + 1, 2 * chunk]
     parts, readable = [], []
     for k in range(1, 5):
@@ -420,34 +421,22 @@ def test_each_buffer_is_cut_into_programs_of_chunk_words(chunk):
     want = [-(-sum(sizes[:k]) // chunk) if k != 2 else 0 for k in range(1, 5)]
     assert programs == sum(want) and block[:5].tolist() == np.concatenate([[0], np.cumsum(want)]).tolist()
     rows = block[at["bufs_at"]:at["fields_at"]].reshape(4, 4)
-    assert rows[:, 1:].tolist() == [[0, 1, chunk - 1], [1, 2, 0], [3, 3, 3 * chunk], [6, 4, 5 * chunk]]
+    assert rows[:, 1:].tolist() == [[chunk - 1, 0, 1], [0, 1, 2], [3 * chunk, 3, 3], [5 * chunk, 6, 4]]
     assert rows[:, 0].tolist() == [t.data_ptr() for [t], _ in parts]
+    assert at["samples"] == 16
 
 
-def test_the_counts_and_their_starts_per_part():
-    """The counts of every sample, parts one after the other, and per column the sum over the
-    samples before it in its part; the output words zero."""
+def test_the_counts_of_every_sample_part_after_part():
+    """The counts of every sample, parts one after the other; SAMPLES the power of two at or above
+    the most samples of a part (at least 16: one compiled variant for most windows); the output
+    words zero."""
     a = SampleCounts.of(rows=np.array([2, 0, 3]), images=np.array([1, 0, 2]))
-    b = SampleCounts.of(rows=np.array([4, 1]), images=np.array([0, 5]))
+    b = SampleCounts.of(rows=np.arange(17), images=np.zeros(17, np.int64))
     fields = (ByteField("row", 1, 8), ByteField("image", 1, 24))
     parts = [([torch.zeros(5, 8, dtype=torch.uint8), torch.zeros(3, 24, dtype=torch.uint8)], a),
-             ([torch.zeros(5, 8, dtype=torch.uint8), torch.zeros(5, 24, dtype=torch.uint8)], b)]
+             ([torch.zeros(136, 8, dtype=torch.uint8), torch.zeros(0, 24, dtype=torch.uint8)], b)]
     block, programs, at = cs.launch_block(parts, fields, [[True, True], [True, True]], 16)
-    c = len(a.table[0])
-    counts = block[at["counts_at"]:at["starts_at"]].reshape(5, c)
-    starts = block[at["starts_at"]:at["out_at"]].reshape(5, c)
-    assert counts.tolist() == np.concatenate([a.table, b.table]).tolist()
-    assert starts[:, COLUMNS.index("rows")].tolist() == [0, 2, 2, 0, 4]
-    assert starts[:, COLUMNS.index("images")].tolist() == [0, 1, 1, 0, 0]
-    assert block[at["out_at"]:].tolist() == [0] * 5 * CHECKED_FIELDS
-    assert len(block) == at["out_at"] + 5 * CHECKED_FIELDS and at["columns"] == c
-
-
-def test_a_dense_buffer_smaller_than_its_samples_is_refused():
-    """A dense field of `pre` leading entries holds pre * n * unit bytes; one byte less is refused."""
-    counts = SampleCounts.of(rows=np.zeros(3, np.int64))
-    field = ByteField("dense", 2, 4)
-    cs.launch_block([([torch.zeros(24, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
-    with pytest.raises(ValueError) as e:
-        cs.launch_block([([torch.zeros(23, dtype=torch.uint8)], counts)], (field,), [[True]], 16)
-    assert str(e.value) == "field 0 of part 0: its buffer holds 23 bytes, its counts need 24"
+    c = len(COLUMNS)
+    assert block[at["counts_at"]:at["out_at"]].reshape(20, c).tolist() == np.concatenate([a.table, b.table]).tolist()
+    assert block[at["out_at"]:].tolist() == [0] * 20 * CHECKED_FIELDS
+    assert len(block) == at["out_at"] + 20 * CHECKED_FIELDS and at["columns"] == c and at["samples"] == 32

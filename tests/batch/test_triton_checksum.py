@@ -84,8 +84,9 @@ def buffer(rng, dtype, shape, offset):
 def check_kernel_interpreted():
     """Runs with TRITON_INTERPRET=1: the kernel's sums of random windows equal the torch ops' bit
     for bit (small blocks and chunks, so pieces span several programs and several steps of one);
-    a flipped byte changes exactly its (sample, field) sum; and the round's self-check passes a
-    correct exchange and catches a flipped byte with the kernel summing both sides."""
+    a flipped byte changes exactly its (sample, field) sum; no byte past a short buffer is read;
+    and the round's self-check passes a correct exchange and catches a flipped byte with the
+    kernel summing both sides."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
 
     def same_sums_and_one_flip(window, sizes, pick):
@@ -122,12 +123,37 @@ def check_kernel_interpreted():
         else:
             assert torch.equal(got, cs.torch_checksums(parts, fields))
 
+    def no_byte_past_a_short_buffer(window, sizes, pick):
+        """A buffer shorter than its counts: the kernel reads none of the bytes that follow it (the
+        same sums whatever they hold), and its sample sums differ from the whole buffer's."""
+        parts, fields = window
+        block, chunk = sizes
+        where = [(p, f) for p, (bufs, _) in enumerate(parts) for f, t in enumerate(bufs)
+                 if t.nbytes >= 2 * word_width(fields[f].kind, fields[f].unit)]
+        if not where:
+            return
+        p, f = where[pick % len(where)]
+        whole = parts[p][0][f]
+        keep = whole.nbytes - word_width(fields[f].kind, fields[f].unit)
+        sums = []
+        for fill in (0x00, 0xFF):
+            base = torch.full((whole.nbytes,), fill, dtype=torch.uint8)
+            base[:keep] = whole.reshape(-1).view(torch.uint8)[:keep]
+            bufs = list(parts[p][0])
+            bufs[f] = base[:keep]
+            changed = parts[:p] + [(bufs, parts[p][1])] + parts[p + 1:]
+            sums.append(cs.kernel_checksums(changed, fields, "cpu", interpret=True, block=block, chunk=chunk))
+        full = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk)
+        assert torch.equal(sums[0], sums[1])
+        assert not torch.equal(sums[0], full)
+
     readable = cs._readable
     t0 = time.perf_counter()
     sizes = st.sampled_from([(16, 16), (16, 48), (64, 128)])
     run = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     run(given(windows(), sizes, st.integers(0, 2**20))(same_sums_and_one_flip))()
     run(given(windows(max_fields=4), sizes, st.integers(0, 2**20))(some_buffers_unread))()
+    run(given(windows(max_fields=4), sizes, st.integers(0, 2**20))(no_byte_past_a_short_buffer))()
     print(f"property: {time.perf_counter() - t0:.1f} s")
     check_round_interpreted()
 
@@ -181,12 +207,13 @@ def test_checksum_kernel_in_interpreter():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_checksum_kernel_specializes_only_what_stays_fixed():
     """The offsets and sizes change with every window: not specialized (no variant compiled mid-run);
-    the block's address, the output words per sample, the chunk and the lanes stay fixed."""
+    the block's address, the output words per sample, the chunk, the lanes and the samples' power
+    of two stay fixed."""
     from reorder.batch.triton_checksum import checksum_window
 
     assert {p.name for p in checksum_window.params if p.do_not_specialize} == {
-        "buffers", "fields", "bufs_at", "fields_at", "counts_at", "starts_at", "out_at", "columns"}
-    assert {p.name for p in checksum_window.params if p.is_constexpr} == {"SLOTS", "CHUNK", "BLOCK"}
+        "buffers", "fields", "bufs_at", "fields_at", "counts_at", "out_at", "columns"}
+    assert {p.name for p in checksum_window.params if p.is_constexpr} == {"SLOTS", "CHUNK", "BLOCK", "SAMPLES"}
 
 
 # --- without triton ---------------------------------------------------------------------------------
@@ -194,10 +221,10 @@ def test_checksum_kernel_specializes_only_what_stays_fixed():
 @settings(max_examples=40, deadline=None)
 @given(windows(), st.sampled_from([16, 48, 1024]))
 def test_the_launch_block_gives_every_buffer_its_words_and_programs(window, chunk):
-    """Per buffer (field b % F of part b // F): its address, its part's first sample and samples, the
-    words of its samples (0 where the kernel does not read it), and ceil(words / chunk) programs
-    from the first program of the buffers before it; per field its kind, sizes, word width, salt,
-    slot and counts column."""
+    """Per buffer (field b % F of part b // F): its address, its bytes (0 where the kernel does not
+    read it), its part's first sample and samples, and ceil(words / chunk) programs from the first
+    program of the buffers before it; per field its kind, sizes, word width, salt, slot and counts
+    column."""
     parts, fields = window
     readable = [[t.is_contiguous() and (p + f) % 3 != 1 for f, t in enumerate(bufs)] for p, (bufs, _) in enumerate(parts)]
     block, programs, at = cs.launch_block(parts, fields, readable, chunk)
@@ -206,11 +233,9 @@ def test_the_launch_block_gives_every_buffer_its_words_and_programs(window, chun
     for (bufs, counts), r in zip(parts, readable):
         n = counts.shape[0]
         for f, ((kind, pre, unit), t, ok) in enumerate(zip(fields, bufs, r)):
-            held = {"dense": pre * n * unit, "list": int(counts.list_bytes.sum())}.get(
-                kind, int(counts.entries(kind).sum()) * unit)
-            words = held // word_width(kind, unit) if ok else 0
-            want.append([t.data_ptr(), row0, n, words])
-            first.append(first[-1] + -(-words // chunk))
+            size = t.nbytes if ok else 0
+            want.append([t.data_ptr(), size, row0, n])
+            first.append(first[-1] + -(-(size // word_width(kind, unit)) // chunk))
         row0 += n
     assert rows == want and block[:len(first)].tolist() == first and programs == first[-1]
     kinds = {"dense": 0, "row": 1, "image": 1, "list": 2}
@@ -218,12 +243,6 @@ def test_the_launch_block_gives_every_buffer_its_words_and_programs(window, chun
     assert block[at["fields_at"]:at["counts_at"]].reshape(-1, 8).tolist() == [
         [kinds[kind], pre, unit, word_width(kind, unit), max(0, f - CHECKED_FIELDS + 1) << 32, field_slot(f),
          COLUMNS.index(column[kind]) if kind in column else 0, 0] for f, (kind, pre, unit) in enumerate(fields)]
-
-
-def test_a_buffer_smaller_than_its_counts_is_refused():
-    counts = SampleCounts.of(rows=np.array([2, 1]))
-    with pytest.raises(ValueError, match="field 0 of part 0: its buffer holds 16 bytes, its counts need 24"):
-        cs.launch_block([([torch.zeros(2, dtype=torch.int64)], counts)], (ByteField("row", 1, 8),), [[True]], 16)
 
 
 def test_off_cuda_the_window_is_summed_by_torch_ops(monkeypatch):
