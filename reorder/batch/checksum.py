@@ -265,9 +265,9 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     `chunk` words over its bytes. The host writes what it holds, in a fixed number of array
     operations whatever the window's micro-batches and samples (the field rows made once per
     layout); the device cuts the work. The output words (zero) come last. `alloc(size)` gives the
-    int64 array to fill (default np.empty)."""
+    int64 array to fill (default np.empty). parts: at least one."""
     rows, widths = _field_constants(tuple(fields))
-    bufs, first, row0, most = [], [0], 0, 1
+    bufs, first, row0, most = [], [0], 0, 16  # SAMPLES at least 16: one compiled variant for most windows
     for p, ((held, counts), r) in enumerate(zip(parts, readable)):
         if len(held) != len(fields):
             raise ValueError(f"part {p} has {len(held)} buffers for {len(fields)} fields")
@@ -277,7 +277,7 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
             first.append(first[-1] + -(-(size // width) // chunk))
             bufs += (t.data_ptr(), size, row0, n)
         row0, most = row0 + n, max(most, n)
-    counts = np.concatenate([c.table for _, c in parts]) if parts else np.zeros((0, len(COLUMNS)), np.int64)
+    counts = np.concatenate([c.table for _, c in parts])
     buffers = len(first) - 1
     at = {"bufs_at": buffers + 1}
     at["fields_at"] = at["bufs_at"] + 4 * buffers
@@ -290,7 +290,7 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     out[at["counts_at"]:at["out_at"]] = counts.ravel()
     out[at["out_at"]:] = 0
     return out, first[-1], dict(at, buffers=buffers, fields=len(fields), columns=counts.shape[1],
-                                samples=max(16, 1 << (most - 1).bit_length()))
+                                samples=1 << (most - 1).bit_length())
 
 
 _KINDS = {"dense": 0, "row": 1, "image": 1, "list": 2}

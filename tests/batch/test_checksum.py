@@ -426,17 +426,27 @@ def test_each_buffer_is_cut_into_programs_of_chunk_words(chunk):
     assert at["samples"] == 16
 
 
-def test_the_counts_of_every_sample_part_after_part():
+def test_a_buffer_s_last_partial_word_takes_no_program():
+    """Programs cover a buffer's whole words: 18 bytes of 4-byte words are 4 words, one program of
+    4 words (the 2 bytes left over are not read)."""
+    counts = SampleCounts.of(rows=np.zeros(4, np.int64))
+    _, programs, _ = cs.launch_block([([torch.zeros(18, dtype=torch.uint8)], counts)], (ByteField("dense", 1, 4),),
+                                     [[True]], 4)
+    assert programs == 1
+
+
+@pytest.mark.parametrize("most, samples", [(17, 32), (32, 32), (33, 64), (64, 64)])
+def test_the_counts_of_every_sample_part_after_part(most, samples):
     """The counts of every sample, parts one after the other; SAMPLES the power of two at or above
     the most samples of a part (at least 16: one compiled variant for most windows); the output
-    words zero."""
+    words zero; the sizes the kernel takes."""
     a = SampleCounts.of(rows=np.array([2, 0, 3]), images=np.array([1, 0, 2]))
-    b = SampleCounts.of(rows=np.arange(17), images=np.zeros(17, np.int64))
+    b = SampleCounts.of(rows=np.arange(most), images=np.zeros(most, np.int64))
     fields = (ByteField("row", 1, 8), ByteField("image", 1, 24))
     parts = [([torch.zeros(5, 8, dtype=torch.uint8), torch.zeros(3, 24, dtype=torch.uint8)], a),
-             ([torch.zeros(136, 8, dtype=torch.uint8), torch.zeros(0, 24, dtype=torch.uint8)], b)]
+             ([torch.zeros(most * (most - 1) // 2, 8, dtype=torch.uint8), torch.zeros(0, 24, dtype=torch.uint8)], b)]
     block, programs, at = cs.launch_block(parts, fields, [[True, True], [True, True]], 16)
-    c = len(COLUMNS)
-    assert block[at["counts_at"]:at["out_at"]].reshape(20, c).tolist() == np.concatenate([a.table, b.table]).tolist()
-    assert block[at["out_at"]:].tolist() == [0] * 20 * CHECKED_FIELDS
-    assert len(block) == at["out_at"] + 20 * CHECKED_FIELDS and at["columns"] == c and at["samples"] == 32
+    c, n = len(COLUMNS), 3 + most
+    assert block[at["counts_at"]:at["out_at"]].reshape(n, c).tolist() == np.concatenate([a.table, b.table]).tolist()
+    assert block[at["out_at"]:].tolist() == [0] * n * CHECKED_FIELDS and len(block) == at["out_at"] + n * CHECKED_FIELDS
+    assert (at["buffers"], at["fields"], at["columns"], at["samples"]) == (4, 2, c, samples)
