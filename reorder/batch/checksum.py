@@ -36,7 +36,7 @@ from reorder.plan.counts import COLUMNS, SampleCounts
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-BLOCK, CHUNK = 1024, 16384  # the kernel's lanes, and words per program (a piece's last program: fewer)
+BLOCK, CHUNK = 1024, 16384  # the kernel's lanes, and words per program (a buffer's last program: fewer)
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
