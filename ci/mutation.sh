@@ -18,6 +18,9 @@
 #
 # Needs mutmut: .venv/bin/pip install mutmut==3.8.1 (or from wheels: pip install --no-index -f .wheels mutmut==3.8.1).
 # CI=1 makes hypothesis derandomized and database-free, so the verdicts do not depend on the run.
+# A glob run keeps mutants/mutmut-stats.json, whose map of tests to functions mutmut updates only for
+# tests it has not seen: after a function is replaced (a new one that old tests reach through a caller),
+# remove that file first, or the new function's mutants run against the new tests alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
