@@ -85,7 +85,7 @@ def random_window(rng, dev):
 
 
 def check_windows(args, dev, offsets: set) -> int:
-    rng, bad, launched, t_kernel, t_torch = np.random.default_rng(0), 0, 0, 0.0, 0.0
+    rng, bad, launched, t_kernel, t_torch, lagging = np.random.default_rng(0), 0, 0, 0.0, 0.0, 0
     sync, kernel = synchronizer(dev), functools.partial(cs.kernel_checksums, interpret=args.rehearse)
     for k in range(args.windows):
         parts, host, fields, where = random_window(rng, dev)
@@ -107,6 +107,7 @@ def check_windows(args, dev, offsets: set) -> int:
             bad += 1
             print(f"window {k}: the kernel's sums differ from the torch ops' on the host", flush=True)
             continue
+        lagging += check_host_sums(parts, fields, dev, kernel, want)
         on_device = [([t.to(dev) for t in bufs], c) for bufs, c in host]
         t0 = time.perf_counter()
         again = cs.torch_checksums(on_device, fields)
@@ -129,8 +130,31 @@ def check_windows(args, dev, offsets: set) -> int:
                 print(f"window {k}: a flipped byte of field {f} changed {changed}, not [[{sample}, "
                       f"{field_slot(f)}]]", flush=True)
     print(f"windows: {args.windows}, {launched} launched, {bad} mismatches; kernel {t_kernel * 1e3:.1f} ms in all, "
-          f"torch ops on the device {t_torch * 1e3:.1f} ms", flush=True)
-    return bad
+          f"torch ops on the device {t_torch * 1e3:.1f} ms; the sums to the host behind a delayed stream: "
+          f"{lagging} wrong", flush=True)
+    return bad + lagging
+
+
+def check_host_sums(parts, fields, dev, kernel, want) -> int:
+    """The kernel's sums to the host (`host=True`, as the round asks for them) with the device lagging
+    behind a `torch.cuda._sleep`: the call returns before the device reaches the launch, and an event
+    recorded after it says when the sums have landed in pinned memory, equal to the torch ops'.
+    Returns 1 when not."""
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda._sleep(20_000_000)  # ~10 ms of device time ahead of the launch
+    got = kernel(parts, fields, dev, host=True)
+    if not cuda:
+        return int(not torch.equal(got, want))
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(dev))
+    early = event.query()  # True: the host waited for the device somewhere
+    event.synchronize()
+    ok = not early and got.device.type == "cpu" and got.is_pinned() and torch.equal(got, want)
+    if not ok:
+        print(f"sums to the host: returned after the device: {early}, pinned: {got.is_pinned()}, equal to the torch "
+              f"ops': {torch.equal(got, want)}", flush=True)
+    return int(not ok)
 
 
 def flipping(executor):

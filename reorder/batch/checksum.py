@@ -22,7 +22,6 @@ addresses (`launch_block`), else, or when the launch raises (logged once), with 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from reorder.batch.keepalive import KeepAlive
-from reorder.plan.checksums import CHECKED_FIELDS, field_slot, word_width
+from reorder.plan.checksums import CHECKED_FIELDS, field_salt, field_slot, word_width
 from reorder.plan.counts import COLUMNS, SampleCounts
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
@@ -72,7 +71,7 @@ def field_sums(f: int, field: tuple, buf: torch.Tensor, counts: SampleCounts) ->
     kind, pre, unit = field
     n = counts.shape[0]
     dev = buf.device
-    salt = max(0, f - (CHECKED_FIELDS - 1)) << 32
+    salt = field_salt(f)
     if kind == "dense":
         if not n * pre * unit:
             return None
@@ -129,7 +128,8 @@ _KERNEL = []  # [the Triton checksum kernel, or None where triton does not impor
 _KERNEL_AGREED = []  # [True] once the kernel's first window equalled the torch ops' sums
 
 
-def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = False) -> torch.Tensor:
+def window_checksums(parts: list, fields: tuple, device, *, host: bool = False,
+                     interpret: bool = False) -> torch.Tensor:
     """int64 [N, CHECKED_FIELDS]: the checksums of every sample of a window's micro-batches, part
     after part (N: their samples); parts: per micro-batch (its buffers, one per `ByteField` of
     `fields`, and its SampleCounts [n]).
@@ -139,17 +139,23 @@ def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     where they live (e.g. the pickled lists of host micro-batches) and added in; the result is on
     `device`, and nothing waits for the device. Elsewhere, or once a launch has raised (logged
     once), torch ops on each part (`checksums`): the result is on `gathering_device` of the buffers. Either
-    way bit for bit the same sums. `interpret`: the kernel on CPU tensors through Triton's
-    interpreter (TRITON_INTERPRET=1 set before triton is imported; tests).
+    way bit for bit the same sums. `host`: the sums in host memory instead; where they were summed
+    on a device, in pinned memory that a non-blocking copy fills behind the device's work (record
+    an event on `device`'s current stream after the call and wait for it before reading them).
+    `interpret`: the kernel on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 set
+    before triton is imported; tests).
 
     The kernel's first window in a process is also summed with torch ops and compared (one wait for
     the device, once): a kernel that disagrees (a compiler or GPU the kernel was never run on) is
     logged and replaced by the torch ops from then on, so the check never reports a mismatch that
     only its own kernel made."""
-    got = kernel_checksums(parts, fields, device, interpret=interpret)
+    got = kernel_checksums(parts, fields, device, host=host, interpret=interpret)
     if got is None:
-        return torch_checksums(parts, fields)
+        got = torch_checksums(parts, fields)
+        return _to_host(got) if host else got
     if not _KERNEL_AGREED:
+        if host and torch.device(device).type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the sums' copy to the host has landed
         want = torch_checksums(parts, fields).to(got.device)
         if not torch.equal(got, want):
             _KERNEL[0] = None
@@ -158,6 +164,13 @@ def window_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
             return want
         _KERNEL_AGREED.append(True)
     return got
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """t in host memory: itself when it is there, else a pinned copy filled behind the device's work."""
+    if t.device.type == "cpu":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
@@ -169,8 +182,8 @@ def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
     return torch.cat([checksums(bufs, fields, counts).to(dev, non_blocking=True) for bufs, counts in parts])
 
 
-def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = False, block: int = BLOCK,
-                     chunk: int = CHUNK) -> torch.Tensor | None:
+def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, interpret: bool = False,
+                     block: int = BLOCK, chunk: int = CHUNK) -> torch.Tensor | None:
     """`window_checksums` through the Triton kernel (one launch), or None where it does not apply:
     not a CUDA device (unless `interpret`: CPU tensors, Triton's interpreter; with TRITON_INTERPRET=1
     in the environment, `interpret` alone), triton missing, no buffer the kernel can read, or a
@@ -188,25 +201,23 @@ def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     readable = [[_readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
     if not any(map(any, readable)):
         return None
-    # the input, then the sums' words zeroed: one pinned block, one copy to the device. Fresh each
-    # launch: the caching host allocator does not hand the block out again before the non-blocking
-    # copy that reads it has completed
+    # the input, then the sums' words zeroed: one pinned block, one copy to the device, and the sums
+    # copied back into its own words. Fresh each launch: the caching host allocator does not hand
+    # the block out again before the non-blocking copies that use it have completed
     staged = []
     _, programs, at = launch_block(parts, fields, readable, chunk, alloc=lambda size: staged.append(
         torch.empty(size, dtype=torch.int64, pin_memory=not interpret)) or staged[0].numpy())
     data = staged[0]
-    args = (at["buffers"], at["fields"], at["bufs_at"], at["fields_at"], at["counts_at"], at["out_at"], at["columns"])
+    consts = dict(SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, SAMPLES=at["samples"])
     try:
         if interpret:
             if programs:
-                kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, SAMPLES=at["samples"])
+                kernel[(programs,)](data, **consts)
         else:
-            # Triton launches on the current device and stream (the context only where another is current)
-            with contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device):
+            with torch.cuda.device(device):  # Triton launches on the current device and stream
                 data = data.to(device, non_blocking=True)
                 if programs:
-                    kernel[(programs,)](data, *args, SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block,
-                                        SAMPLES=at["samples"], num_warps=4)
+                    kernel[(programs,)](data, **consts, num_warps=4)
                     _HELD.hold([t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r)
                                 if ok and not t.is_cuda], torch.cuda.current_stream(device))
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
@@ -218,6 +229,8 @@ def kernel_checksums(parts: list, fields: tuple, device, *, interpret: bool = Fa
     rest = _unread_sums(parts, fields, readable, n)
     if rest is not None:
         out += rest if interpret else rest.pin_memory().to(device, non_blocking=True)
+    if host and not interpret:
+        return staged[0][at["out_at"]:].view(n, CHECKED_FIELDS).copy_(out, non_blocking=True)
     return out
 
 
@@ -259,13 +272,13 @@ def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
 
 
 def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int, dict]:
-    """The kernel's input as one int64 array, its number of programs, and its other arguments (the
-    offsets of the array's parts and its sizes; `triton_checksum` documents the layout). Buffer b
-    is field b % F of part b // F; the kernel reads it when `readable[part][field]`, in programs of
-    `chunk` words over its bytes. The host writes what it holds, in a fixed number of array
-    operations whatever the window's micro-batches and samples (the field rows made once per
-    layout); the device cuts the work. The output words (zero) come last. `alloc(size)` gives the
-    int64 array to fill (default np.empty). parts: at least one."""
+    """The kernel's input as one int64 array, its number of programs, and the offsets of the array's
+    parts and its sizes (`triton_checksum` documents the layout; the header holds what the kernel
+    needs of them). Buffer b is field b % F of part b // F; the kernel reads it when
+    `readable[part][field]`, in programs of `chunk` words over its bytes. The host writes what it
+    holds, in a fixed number of array operations whatever the window's micro-batches and samples
+    (the field rows made once per layout); the device cuts the work. The output words (zero) come
+    last. `alloc(size)` gives the int64 array to fill (default np.empty). parts: at least one."""
     rows, widths = _field_constants(tuple(fields))
     bufs, first, row0, most = [], [0], 0, 16  # SAMPLES at least 16: one compiled variant for most windows
     for p, ((held, counts), r) in enumerate(zip(parts, readable)):
@@ -279,12 +292,14 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
         row0, most = row0 + n, max(most, n)
     counts = np.concatenate([c.table for _, c in parts])
     buffers = len(first) - 1
-    at = {"bufs_at": buffers + 1}
+    at = {"programs_at": _HEADER}
+    at["bufs_at"] = _HEADER + buffers + 1
     at["fields_at"] = at["bufs_at"] + 4 * buffers
     at["counts_at"] = at["fields_at"] + rows.size
     at["out_at"] = at["counts_at"] + counts.size
     out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + row0 * CHECKED_FIELDS)
-    out[:at["bufs_at"]] = first
+    out[:_HEADER] = (buffers, len(fields), *at.values(), counts.shape[1])
+    out[_HEADER:at["bufs_at"]] = first
     out[at["bufs_at"]:at["fields_at"]] = bufs
     out[at["fields_at"]:at["counts_at"]] = rows.ravel()
     out[at["counts_at"]:at["out_at"]] = counts.ravel()
@@ -293,6 +308,7 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
                                 samples=1 << (most - 1).bit_length())
 
 
+_HEADER = 8  # the block's header words: buffers, fields, the five offsets, the counts' columns
 _KINDS = {"dense": 0, "row": 1, "image": 1, "list": 2}
 _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"), "list": COLUMNS.index("list_bytes")}
 
@@ -302,8 +318,7 @@ def _field_constants(fields: tuple) -> tuple:
     """The kernel's rows of `fields` [F, 8] (kind, pre, unit, word width, salt, checksum slot,
     counts column of its entries (a dense field's: any), 0) and their word widths. The same every
     window of a layout: made once."""
-    rows = np.array([[_KINDS[f.kind], f.pre, f.unit, word_width(f.kind, f.unit), max(0, i - (CHECKED_FIELDS - 1)) << 32,
-                      field_slot(i), _ENTRY_COLUMN.get(f.kind, 0), 0] for i, f in enumerate(fields)],
+    rows = np.array([[_KINDS[f.kind], f.pre, f.unit, word_width(f.kind, f.unit), field_salt(i), field_slot(i), _ENTRY_COLUMN.get(f.kind, 0), 0] for i, f in enumerate(fields)],
                     dtype=np.int64).reshape(len(fields), 8)
     rows.setflags(write=False)
     return rows, rows[:, 3].tolist()

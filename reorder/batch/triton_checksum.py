@@ -3,9 +3,13 @@ one launch sums every (sample, field) of a window. This module imports triton at
 interpreter needs `triton.language` among a kernel's module globals); only `checksum` imports it,
 and only for a CUDA launch or the interpreter.
 
-Input (built by `checksum.launch_block`), one int64 array, its parts at the offsets given:
-- from 0: the first program of each buffer, then the number of programs ([buffers + 1]); buffer b
-  is field b % F of part b // F, and takes programs [first[b], first[b + 1]), one per CHUNK words;
+Input (built by `checksum.launch_block`), one int64 array, its only runtime argument (Triton binds
+and specializes each argument on every launch, on the host):
+- from 0: the header [8]: buffers, F (fields), the offsets `programs_at`, `bufs_at`, `fields_at`,
+  `counts_at`, `out_at` of the parts below, and the counts' columns C;
+- `programs_at`: the first program of each buffer, then the number of programs ([buffers + 1]);
+  buffer b is field b % F of part b // F, and takes programs [first[b], first[b + 1]), one per
+  CHUNK words;
 - `bufs_at`: rows [buffers, 4] of (absolute address, bytes, first sample, samples);
 - `fields_at`: rows [F, 8] of (kind: 0 dense, 1 per row or image, 2 list; leading entries `pre`,
   entry bytes `unit`, word width, salt, checksum slot, counts column, 0);
@@ -87,20 +91,25 @@ def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr):
     return s
 
 
-# the offsets and sizes change with every window: specialized (Triton's default for integers:
-# multiple of 16 or not, equal to 1), they would compile a new variant mid-run as each case appears
-@triton.jit(do_not_specialize=["buffers", "fields", "bufs_at", "fields_at", "counts_at", "out_at", "columns"])
-def checksum_window(block, buffers, fields, bufs_at, fields_at, counts_at, out_at, columns, SLOTS: tl.constexpr,
-                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
+@triton.jit
+def checksum_window(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
     """One program per CHUNK words of a buffer: sum its runs (the parts of samples' pieces it
     holds), BLOCK lanes at a time, and add each run's sum to its sample's output word. SAMPLES:
     a power of two, at least every part's samples."""
     pid = tl.program_id(0).to(tl.int64)
+    buffers = tl.load(block)
+    fields = tl.load(block + 1)
+    first = block + tl.load(block + 2)  # each buffer's first program
+    bufs_at = tl.load(block + 3)
+    fields_at = tl.load(block + 4)
+    counts_at = tl.load(block + 5)
+    out_at = tl.load(block + 6)
+    columns = tl.load(block + 7)
     lo = pid * 0  # the last buffer whose first program is at most pid
     hi = lo + buffers
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        below = tl.load(block + mid) <= pid
+        below = tl.load(first + mid) <= pid
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
     buf = block + bufs_at + 4 * lo
@@ -115,7 +124,7 @@ def checksum_window(block, buffers, fields, bufs_at, fields_at, counts_at, out_a
     salt = tl.load(fld + 4)
     slot = tl.load(fld + 5)
     column = tl.load(fld + 6)
-    w0 = (pid - tl.load(block + lo)) * CHUNK
+    w0 = (pid - tl.load(first + lo)) * CHUNK
     w1 = tl.minimum(w0 + CHUNK, tl.load(buf + 1) // width)  # no word past the buffer's end
     out = block + out_at + slot
     if kind == 0:  # dense: rows of `unit` bytes, entry-major: row r is entry r // n of sample r % n

@@ -110,6 +110,7 @@ class _Pending:
     signature: str = ""  # this rank's layout signature as sent ("" without a window)
     frames: np.ndarray | None = None
     layout: object = None
+    fields: tuple = ()  # `byte_fields(layout)`
     plan: WindowPlan | None = None
     plan_ms: float = 0.0
     moves: MoveList | None = None
@@ -118,7 +119,7 @@ class _Pending:
     outgoing: Outgoing | None = None
     skipped: bool = False
     checked: bool = False  # the self-check covers this window
-    sent: torch.Tensor | None = None  # checked: this rank's sums of what it read [W, B/dp, CHECKED_FIELDS]
+    sent: torch.Tensor | None = None  # checked: this rank's sums of what it read [W, B/dp, CHECKED_FIELDS], host
     sums: np.ndarray | None = None  # the last checked window's sums, sent in this window's frame
     made: dict | None = None  # output slot -> its assembled buffers (slots not kept)
 
@@ -393,9 +394,10 @@ class WindowRound:
         self._mark("plan")
         if plan.shadow or plan.natural:
             return
-        now.moves = build_moves(byte_fields(layout), counts, plan, self.grid.rank)
+        now.fields = byte_fields(layout)
+        now.moves = build_moves(now.fields, counts, plan, self.grid.rank)
         if now.checked:  # before the executor's kernels read the same sources (on the same stream)
-            now.sent = self._sent_sums(now.window)
+            now.sent = self._sent_sums(now)
         now.placement, now.sources = self._sources(layout, now.window)
 
     @staticmethod
@@ -472,36 +474,32 @@ class WindowRound:
 
     # ---- the self-check ---------------------------------------------------------------------------
 
-    def _sent_sums(self, window: _Window) -> torch.Tensor:
+    def _sent_sums(self, now: _Pending) -> torch.Tensor:
         """int64 [W, B/dp, CHECKED_FIELDS]: this rank's checksums of the samples it read, where it
-        read them (on CUDA one kernel launch for the window, on the target device; nothing waits)."""
-        layout = window.layout.resolved()  # "any" fields hold as many rows as images: the same regions
-        parts = [(field_buffers(layout, shard, blobs), SampleCounts(window.counts.table[s]))
+        read them (on CUDA one kernel launch for the window, on the target device), on their way to
+        the host (`_checked` records the event after which they are there; nothing waits)."""
+        window = now.window
+        parts = [(field_buffers(now.layout, shard, blobs), SampleCounts(window.counts.table[s]))
                  for s, (shard, blobs) in enumerate(zip(window.shards, window.blobs))]
-        sums = window_checksums(parts, byte_fields(layout), self._target(window))
+        sums = window_checksums(parts, now.fields, self._target(window), host=True)
         return sums.view(len(parts), -1, CHECKED_FIELDS)
 
     def _checked(self, now: _Pending) -> "_Check":
         """The checked window's sums, both sides: what this rank read (`now.sent`) and what it
         assembled, on their way to the host (read at the next `read`, without a wait of their own by
         then: the device has long passed them)."""
-        layout, moves, b = now.layout, now.moves, self.local_batch
-        fields, dev = byte_fields(layout), now.placement.target
-        slots, nf = len(now.batches), len(fields)
+        moves, dev, nf = now.moves, now.placement.target, len(now.fields)
         parts = []
-        for s in range(slots):
+        for s in range(len(now.batches)):
             if moves.kept[s]:
                 parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
             else:
                 parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
-        got = window_checksums(parts, fields, dev).view(slots, b, CHECKED_FIELDS)  # one launch on CUDA
-        both, event = torch.cat([now.sent.to(got.device), got], dim=-1), None
-        if both.is_cuda:  # copied into pinned memory behind the kernels; the event says when it landed
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            both, event = host, _recorded(both.device)
-        return _Check(window=self._windows - 1, orders=now.plan.orders[:slots], names=_field_names(layout),
-                      sums=both, event=event)
+        got = window_checksums(parts, now.fields, dev, host=True).view(now.sent.shape)  # one launch on CUDA
+        # one event for both sides' copies to the host: the window's steps run on one thread, and so
+        # on one stream of the target device
+        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(parts)], layout=now.layout,
+                      sums=(now.sent, got), event=_recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
         """int64 [W, B/dp, 2 * CHECKED_FIELDS] of the last checked window (the sender's sums, then the
@@ -510,7 +508,7 @@ class WindowRound:
             return None
         if self._check.event is not None:
             self._check.event.synchronize()
-        return self._check.sums.numpy()
+        return np.concatenate([t.numpy() for t in self._check.sums], axis=-1)
 
     def _compared(self, frames: np.ndarray) -> str | None:
         """Every rank's sums of the last checked window, from the gathered frames: every rank compares
@@ -520,13 +518,14 @@ class WindowRound:
         b, f = self.local_batch, CHECKED_FIELDS
         sums = wire.sums_of(frames, len(check.orders), b, len(COLUMNS), self._sum_words)  # [W, B, 2F]
         sent, got = sums[..., :f], sums[..., f:]
-        want = np.take_along_axis(sent, check.orders[..., None], axis=1)  # output position p: its natural sample
-        bad = np.argwhere(got != want)
-        if not len(bad):
+        want = sent[np.arange(len(check.orders))[:, None], check.orders]  # output position p: its natural sample
+        if np.array_equal(got, want):
             return None
+        bad = np.argwhere(got != want)
         s, p, slot = (int(x) for x in bad[0])
         i = int(check.orders[s, p])
-        field = check.names[slot] if slot < f - 1 else "one of " + ", ".join(check.names[slot:])
+        names = _field_names(check.layout)
+        field = names[slot] if slot < f - 1 else "one of " + ", ".join(names[slot:])
         return (f"self-check failed: window {check.window}, micro-batch {s}: rank {p // b} holds at position {p % b} "
                 f"the sample of natural position {i} (read by rank {i // b}), and it differs in field {field!r} from "
                 f"what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
@@ -575,15 +574,15 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
 
 @dataclass
 class _Check:
-    """A checked window whose sums wait for the next window frame: sums [W, B/dp, 2 * CHECKED_FIELDS]
-    (the sender's, then the receiver's; a host tensor), the event after which they are readable
-    (None when no device wrote them), the window's canonical orders [W, B] and the field names by
-    checksum slot."""
+    """A checked window whose sums wait for the next window frame: sums (the sender's, the
+    receiver's; host tensors [W, B/dp, CHECKED_FIELDS]), the event after which they are readable
+    (None when no device wrote them), the window's canonical orders [W, B] and its layout (the
+    field names of an error)."""
 
     window: int
     orders: np.ndarray
-    names: list
-    sums: torch.Tensor
+    layout: object
+    sums: tuple
     event: object
 
 

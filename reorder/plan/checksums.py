@@ -19,6 +19,13 @@ def field_slot(field: int) -> int:
     return min(field, CHECKED_FIELDS - 1)
 
 
+def field_salt(field: int) -> int:
+    """What field `field`'s entry indices are offset by in its checksum: 0 for a field with a word of
+    its own, (field - CHECKED_FIELDS + 1) * 2**32 for those that share the last word, so that they
+    differ there."""
+    return max(0, field - (CHECKED_FIELDS - 1)) << 32
+
+
 def word_width(kind: str, unit: int) -> int:
     """Bytes per word a field is read in: the widest of 8, 4, 2, 1 dividing its unit (1 for list
     bytes, whose lengths vary)."""

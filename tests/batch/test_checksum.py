@@ -265,9 +265,8 @@ def test_window_checksums_off_cuda_are_the_documented_sums(window):
 
 class PlainWindow:
     """`checksum_window` of reorder.batch.triton_checksum in plain Python, launched as the
-    interpreted kernel is (kernel[(programs,)](block, buffers, fields, bufs_at, fields_at, counts_at,
-    out_at, columns, SLOTS=, CHUNK=, BLOCK=, SAMPLES=)), reading the words by absolute address as
-    documented there, but cutting the work its own way: per buffer, every sample's piece whole
+    interpreted kernel is (kernel[(programs,)](block, SLOTS=, CHUNK=, BLOCK=, SAMPLES=)), reading
+    the offsets from the block's header and the words by absolute address as documented there, but cutting the work its own way: per buffer, every sample's piece whole
     (a dense sample's `pre` entries n * unit bytes apart, a ragged sample's entries one after the
     other from the sum of the counts before it), summed in order up to the buffer's size, added to
     the sample's output word. The programs and chunks play no part in the sums; the launch's grid
@@ -278,17 +277,18 @@ class PlainWindow:
         self.launches = []
 
     def __getitem__(self, grid):
-        def launch(block, buffers, fields, bufs_at, fields_at, counts_at, out_at, columns, *, SLOTS, CHUNK, BLOCK,
-                   SAMPLES):
+        def launch(block, *, SLOTS, CHUNK, BLOCK, SAMPLES):
             if BLOCK < 1 or BLOCK & (BLOCK - 1) or CHUNK % BLOCK or SAMPLES & (SAMPLES - 1):
                 raise ValueError(f"BLOCK {BLOCK}, CHUNK {CHUNK}, SAMPLES {SAMPLES}")
             t = block.tolist()
             self.launches.append((grid, len(t)))
-            assert t[0] == 0 and t[buffers] == grid[0] and all(x <= y for x, y in zip(t, t[1:buffers + 1]))
+            buffers, fields, programs_at, bufs_at, fields_at, counts_at, out_at, columns = t[:8]
+            first = t[programs_at:programs_at + buffers + 1]
+            assert first[0] == 0 and first[-1] == grid[0] and all(x <= y for x, y in zip(first, first[1:]))
             for b in range(buffers):
                 addr, size, row0, n = t[bufs_at + 4 * b:bufs_at + 4 * b + 4]
                 kind, pre, unit, width, salt, slot, column, zero = t[fields_at + 8 * (b % fields):][:8]
-                assert zero == 0 and n <= SAMPLES and t[b + 1] - t[b] == -(-(size // width) // CHUNK)
+                assert zero == 0 and n <= SAMPLES and first[b + 1] - first[b] == -(-(size // width) // CHUNK)
                 if not size:
                     continue
                 counts = [t[counts_at + (row0 + j) * columns + column] for j in range(n)]
@@ -419,7 +419,8 @@ def test_each_buffer_is_cut_into_programs_of_chunk_words(chunk):
         readable.append([k != 2])
     block, programs, at = cs.launch_block(parts, (ByteField("list", 1, 1),), readable, chunk)
     want = [-(-sum(sizes[:k]) // chunk) if k != 2 else 0 for k in range(1, 5)]
-    assert programs == sum(want) and block[:5].tolist() == np.concatenate([[0], np.cumsum(want)]).tolist()
+    first = block[at["programs_at"]:at["bufs_at"]].tolist()
+    assert programs == sum(want) and first == np.concatenate([[0], np.cumsum(want)]).tolist()
     rows = block[at["bufs_at"]:at["fields_at"]].reshape(4, 4)
     assert rows[:, 1:].tolist() == [[chunk - 1, 0, 1], [0, 1, 2], [3 * chunk, 3, 3], [5 * chunk, 6, 4]]
     assert rows[:, 0].tolist() == [t.data_ptr() for [t], _ in parts]

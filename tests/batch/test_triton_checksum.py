@@ -206,13 +206,13 @@ def test_checksum_kernel_in_interpreter():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_checksum_kernel_specializes_only_what_stays_fixed():
-    """The offsets and sizes change with every window: not specialized (no variant compiled mid-run);
-    the block's address, the output words per sample, the chunk, the lanes and the samples' power
-    of two stay fixed."""
+    """The offsets and sizes change with every window: they travel in the block's header, not as
+    arguments (Triton would specialize them, compiling a new variant mid-run). The block is the
+    only runtime argument; the output words per sample, the chunk, the lanes and the samples'
+    power of two stay fixed."""
     from reorder.batch.triton_checksum import checksum_window
 
-    assert {p.name for p in checksum_window.params if p.do_not_specialize} == {
-        "buffers", "fields", "bufs_at", "fields_at", "counts_at", "out_at", "columns"}
+    assert [p.name for p in checksum_window.params if not p.is_constexpr] == ["block"]
     assert {p.name for p in checksum_window.params if p.is_constexpr} == {"SLOTS", "CHUNK", "BLOCK", "SAMPLES"}
 
 
@@ -237,12 +237,16 @@ def test_the_launch_block_gives_every_buffer_its_words_and_programs(window, chun
             want.append([t.data_ptr(), size, row0, n])
             first.append(first[-1] + -(-(size // word_width(kind, unit)) // chunk))
         row0 += n
-    assert block.dtype == np.int64 and rows == want and block[:len(first)].tolist() == first and programs == first[-1]
+    header = [len(want), len(fields), at["programs_at"], at["bufs_at"], at["fields_at"], at["counts_at"], at["out_at"],
+              len(COLUMNS)]
+    assert block[:8].tolist() == header and at["programs_at"] == 8 and at["bufs_at"] == 8 + len(first)
+    assert block.dtype == np.int64 and rows == want and block[8:at["bufs_at"]].tolist() == first
+    assert programs == first[-1]
     kinds = {"dense": 0, "row": 1, "image": 1, "list": 2}
     column = {"row": "rows", "image": "images", "list": "list_bytes"}
     assert block[at["fields_at"]:at["counts_at"]].reshape(-1, 8).tolist() == [
-        [kinds[kind], pre, unit, word_width(kind, unit), max(0, f - CHECKED_FIELDS + 1) << 32, field_slot(f),
-         COLUMNS.index(column[kind]) if kind in column else 0, 0] for f, (kind, pre, unit) in enumerate(fields)]
+        [kinds[kind], pre, unit, word_width(kind, unit), (f - CHECKED_FIELDS + 1) * 2**32 if f >= CHECKED_FIELDS else 0,
+         field_slot(f), COLUMNS.index(column[kind]) if kind in column else 0, 0] for f, (kind, pre, unit) in enumerate(fields)]
 
 
 def test_off_cuda_the_window_is_summed_by_torch_ops(monkeypatch):
@@ -300,7 +304,7 @@ def test_a_kernel_whose_first_window_differs_from_the_torch_ops_is_replaced(monk
     want = cs.torch_checksums(parts, fields)
     wrong = []
 
-    def off_by_one(parts_, fields_, device, *, interpret=False):
+    def off_by_one(parts_, fields_, device, *, host=False, interpret=False):
         wrong.append(device)
         return want + 1
 
