@@ -211,6 +211,22 @@ def test_sums_of_host_and_device_buffers_are_gathered_on_the_device():
     assert got.device.type == "meta" and tuple(got.shape) == (n, CHECKED_FIELDS)
 
 
+def test_the_sums_stay_where_they_were_gathered_unless_asked_to_the_host():
+    """`window_checksums` returns the sums where the torch ops gathered them (here the meta device,
+    standing for CUDA: a copy out of it raises), unless `host` asks for them in host memory; CPU
+    sums are host sums already, returned as they are."""
+    counts = SampleCounts.of(rows=np.array([1, 2]))
+    fields = (ByteField("dense", 1, 8), ByteField("row", 1, 4))
+    device = [torch.empty(16, dtype=torch.uint8, device="meta"), torch.empty(12, dtype=torch.uint8, device="meta")]
+    for got in (cs.window_checksums([(device, counts)], fields, "cpu"),
+                cs.window_checksums([(device, counts)], fields, "cpu", host=False)):
+        assert got.device.type == "meta" and tuple(got.shape) == (2, CHECKED_FIELDS)
+    host = [torch.arange(16, dtype=torch.uint8), torch.arange(12, dtype=torch.uint8)]
+    want = cs.torch_checksums([(host, counts)], fields)
+    got = cs.window_checksums([(host, counts)], fields, "cpu", host=True)
+    assert got.device.type == "cpu" and torch.equal(got, want)
+
+
 def test_no_buffers_give_zero_checksums_on_the_host():
     counts = SampleCounts.of(rows=np.zeros(4, np.int64))
     got = checksums([], (), counts)
@@ -388,6 +404,10 @@ def test_the_kernel_is_imported_once_and_a_failed_launch_is_logged_once(monkeypa
     with caplog.at_level("DEBUG"):
         assert cs.kernel_checksums(parts, fields, "cpu", interpret=True) is None
     assert cs._KERNEL == [None] and caplog.records == []
+    monkeypatch.setattr(cs, "_KERNEL", [kernel])
+    monkeypatch.setattr(cs, "_KERNEL_AGREED", [])  # the first window, compared with the torch ops: on the
+    assert torch.equal(cs.window_checksums(parts, fields, "cpu", host=True, interpret=True), want)  # host, no
+    assert cs._KERNEL == [kernel] and cs._KERNEL_AGREED == [True]  # device stream to wait for
     monkeypatch.setattr(cs, "_KERNEL", [BrokenKernel()])
     with caplog.at_level("WARNING", logger="reorder"):
         assert torch.equal(cs.window_checksums(parts, fields, "cpu", interpret=True), want)
