@@ -3,8 +3,10 @@ one launch sums every (sample, field) of a window. This module imports triton at
 interpreter needs `triton.language` among a kernel's module globals); only `checksum` imports it,
 and only for a CUDA launch or the interpreter.
 
-Input (built by `checksum.launch_block`), one int64 array, its only runtime argument (Triton binds
-and specializes each argument on every launch, on the host):
+Input (built by `checksum.launch_block`), one int64 array, the kernel's only runtime argument: it is
+compiled once and launched through its compiled launcher, which binds nothing again, so an integer
+argument would keep the specialization of the window it was compiled for (and the JIT's binding of
+each argument costs host time a launch):
 - from 0: the header [8]: buffers, F (fields), the offsets `programs_at`, `bufs_at`, `fields_at`,
   `counts_at`, `out_at` of the parts below, and the counts' columns C;
 - `programs_at`: the first program of each buffer, then the number of programs ([buffers + 1]);
