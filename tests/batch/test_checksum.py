@@ -282,7 +282,8 @@ def test_window_checksums_off_cuda_are_the_documented_sums(window):
 class PlainWindow:
     """`checksum_window` of reorder.batch.triton_checksum in plain Python, launched as the
     interpreted kernel is (kernel[(programs,)](block, SLOTS=, CHUNK=, BLOCK=, SAMPLES=)), reading
-    the offsets from the block's header and the words by absolute address as documented there, but cutting the work its own way: per buffer, every sample's piece whole
+    the offsets from the block's header and the words by absolute address as documented there, but
+    cutting the work its own way: per buffer, every sample's piece whole
     (a dense sample's `pre` entries n * unit bytes apart, a ragged sample's entries one after the
     other from the sum of the counts before it), summed in order up to the buffer's size, added to
     the sample's output word. The programs and chunks play no part in the sums; the launch's grid
@@ -404,10 +405,12 @@ def test_the_kernel_is_imported_once_and_a_failed_launch_is_logged_once(monkeypa
     with caplog.at_level("DEBUG"):
         assert cs.kernel_checksums(parts, fields, "cpu", interpret=True) is None
     assert cs._KERNEL == [None] and caplog.records == []
+    # the kernel's first window with the sums asked to the host, compared with the torch ops: on the
+    # host there is no device stream to wait for
     monkeypatch.setattr(cs, "_KERNEL", [kernel])
-    monkeypatch.setattr(cs, "_KERNEL_AGREED", [])  # the first window, compared with the torch ops: on the
-    assert torch.equal(cs.window_checksums(parts, fields, "cpu", host=True, interpret=True), want)  # host, no
-    assert cs._KERNEL == [kernel] and cs._KERNEL_AGREED == [True]  # device stream to wait for
+    monkeypatch.setattr(cs, "_KERNEL_AGREED", [])
+    assert torch.equal(cs.window_checksums(parts, fields, "cpu", host=True, interpret=True), want)
+    assert cs._KERNEL == [kernel] and cs._KERNEL_AGREED == [True]
     monkeypatch.setattr(cs, "_KERNEL", [BrokenKernel()])
     with caplog.at_level("WARNING", logger="reorder"):
         assert torch.equal(cs.window_checksums(parts, fields, "cpu", interpret=True), want)
