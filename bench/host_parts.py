@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import code_commit  # noqa: E402
 from bench.single_gpu import COST, permuted_batches, profile, window_options  # noqa: E402
 from reorder import Grid, WindowExchanger  # noqa: E402
-from reorder.batch.blocks import byte_fields, empty_shard, unit_bytes  # noqa: E402
+from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, unit_bytes  # noqa: E402
 from reorder.batch.layout import describe, grid_thw_of  # noqa: E402
 from reorder.cli import synthetic as syn  # noqa: E402
 from reorder.exchange.executors import check_bounds, launch_table  # noqa: E402
@@ -121,7 +121,11 @@ def parts(args, dev, batches) -> dict:
     plan = plan_window(counts, COST, ex.grid, ex.round.settings, unit_bytes(layout))
     fields = byte_fields(layout)
     moves = build_moves(fields, counts, plan, 0)
-    _, sources = ex.round._sources(layout, window)
+    def sources_of():  # the slots' buffers, then where the executor reads them
+        return ex.round._sources(window, [t for shard, blobs in zip(window.shards, window.blobs)
+                                          for t in field_buffers(layout, shard, blobs)])
+
+    _, sources = sources_of()
     out_counts = SampleCounts(moves.out_counts.table[0])
     made = empty_shard(layout, out_counts, dev)
     executor = ex.round._executor(dev)
@@ -135,7 +139,7 @@ def parts(args, dev, batches) -> dict:
         "prepare": lambda: ex.round._prepare([b]),
         "plan": lambda: plan_window(counts, COST, ex.grid, ex.round.settings, unit_bytes(layout)),
         "moves": lambda: build_moves(fields, counts, plan, 0),
-        "sources": lambda: ex.round._sources(layout, window),
+        "sources": sources_of,
         "outputs": lambda: empty_shard(layout, out_counts, dev),
         "check_bounds": lambda: check_bounds(moves.assemble, [sources[0][:0]] + sources, made[1]),
         "launch_table": lambda: launch_table(moves.assemble, *addresses, 16384),

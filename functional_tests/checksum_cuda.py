@@ -5,7 +5,8 @@ enough to span many programs; the torch ops on the device agree with them on the
 byte changes exactly its (sample, field) sum; dp-1 windows through the exchanger with verify=1 pass
 with the kernel summing both sides, a byte the executor flips is caught at the next window; a checked
 window returns with a long kernel still queued ahead of it (no wait for the device); and the kernel
-compiled once (the input's offsets multiples of 16 and not).
+compiled once (the input's offsets multiples of 16 and not); and the kernel's first window in the
+process, compared with the torch ops while the device lags, keeps the kernel.
 
   python functional_tests/checksum_cuda.py [--windows 200]
   TRITON_INTERPRET=1 python functional_tests/checksum_cuda.py --rehearse --windows 10   # on the CPU
@@ -267,6 +268,33 @@ def check_torch_exchanges(args, dev) -> int:
     return bad
 
 
+def check_first_window(args, dev) -> int:
+    """The kernel's first window in a process, compared with the torch ops once, with the device
+    lagging ~0.2 s behind a `torch.cuda._sleep` and every buffer in pinned host memory (the torch ops
+    then sum on the host and nothing of theirs waits for the device): the comparison must wait for
+    the kernel's sums to land, or it compares words not yet written, takes the kernel for a broken one
+    and sums with torch ops from then on. Runs first. Returns 1 when the kernel was set aside or its
+    sums differ from the torch ops'."""
+    if args.rehearse:
+        print("first window: not on the CPU (no device stream)", flush=True)
+        return 0
+    rng = np.random.default_rng(7)
+    n, fields = 6, (ByteField("dense", 2, 40), ByteField("row", 1, 12))
+    counts = SampleCounts.of(rows=rng.integers(1, 30, n), images=np.zeros(n, np.int64))
+    bufs = [torch.from_numpy(rng.integers(0, 256, (2, n, 40), dtype=np.uint8)).pin_memory(),
+            torch.from_numpy(rng.integers(0, 256, (int(counts.rows.sum()), 12), dtype=np.uint8)).pin_memory()]
+    want = cs.checksums([b.clone() for b in bufs], fields, counts)  # on the host: no device involved
+    cs._KERNEL_AGREED.clear()
+    torch.cuda._sleep(400_000_000)
+    got = cs.window_checksums([(bufs, counts)], fields, dev, host=True)
+    torch.cuda.synchronize(dev)
+    kept = cs._KERNEL[0] is not None and cs._KERNEL_AGREED == [True]
+    ok = kept and torch.equal(got.cpu(), want)
+    print(f"first window behind a lagging device: kernel kept: {kept}, sums equal to the torch ops': "
+          f"{torch.equal(got.cpu(), want)}", flush=True)
+    return int(not ok)
+
+
 def check_no_wait(args, dev) -> int:
     """A checked window waits for nothing on the device: with a long kernel queued ahead of it on the
     current stream (`torch.cuda._sleep`), `exchange` returns while that kernel still runs, with the
@@ -319,7 +347,7 @@ def main() -> int:
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
     offsets = set()
-    bad = (check_windows(args, dev, offsets) + check_exchanges(args, dev) + check_torch_exchanges(args, dev)
+    bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_exchanges(args, dev) + check_torch_exchanges(args, dev)
            + check_no_wait(args, dev))
     from reorder.batch.triton_checksum import checksum_window
 

@@ -22,6 +22,7 @@ addresses (`launch_block`), else, or when the launch raises (logged once), with 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -214,24 +215,31 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
             if programs:
                 kernel[(programs,)](data, **consts)
         else:
-            with torch.cuda.device(device):  # Triton launches on the current device and stream
+            with _current(device):  # Triton launches on the current device and stream
                 data = data.to(device, non_blocking=True)
                 if programs:
                     _launch(kernel, programs, data, consts)
-                    _HELD.hold([t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r)
-                                if ok and not t.is_cuda], torch.cuda.current_stream(device))
+                    held = [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
+                    if held:
+                        _HELD.hold(held, torch.cuda.current_stream(device))
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
         _KERNEL[0] = None
         log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "
                     "ops from now on", type(e).__name__, e)
         return None
-    out = data[at["out_at"]:].view(n, CHECKED_FIELDS)
+    out_at = at["out_at"]
     rest = _unread_sums(parts, fields, readable, n)
     if rest is not None:
-        out += rest if interpret else rest.pin_memory().to(device, non_blocking=True)
-    if host and not interpret:
-        return staged[0][at["out_at"]:].view(n, CHECKED_FIELDS).copy_(out, non_blocking=True)
-    return out
+        data[out_at:].view(n, CHECKED_FIELDS).add_(rest if interpret else rest.pin_memory().to(device, non_blocking=True))
+    if host and not interpret:  # the whole block back into its own words: one copy, no slice of the device block
+        data = staged[0].copy_(data, non_blocking=True)
+    return data[out_at:].view(n, CHECKED_FIELDS)
+
+
+def _current(device: torch.device):
+    """A context that makes CUDA `device` the current one: none when it is already (the common case;
+    entering torch's device context costs host time a launch)."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
 
 
 def _kernel():
@@ -289,8 +297,8 @@ def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
 
 def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int, dict]:
     """The kernel's input as one int64 array, its number of programs, and the offsets of the array's
-    parts and its sizes (`triton_checksum` documents the layout; the header holds what the kernel
-    needs of them). Buffer b is field b % F of part b // F; the kernel reads it when
+    parts with `samples`, the kernel's SAMPLES (`triton_checksum` documents the layout; the header
+    holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the kernel reads it when
     `readable[part][field]`, in programs of `chunk` words over its bytes. The host writes what it
     holds, in a fixed number of array operations whatever the window's micro-batches and samples
     (the field rows made once per layout); the device cuts the work. The output words (zero) come
@@ -320,8 +328,7 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     out[at["fields_at"]:at["counts_at"]] = rows.ravel()
     out[at["counts_at"]:at["out_at"]] = counts.ravel()
     out[at["out_at"]:] = 0
-    return out, first[-1], dict(at, buffers=buffers, fields=len(fields), columns=counts.shape[1],
-                                samples=1 << (most - 1).bit_length())
+    return out, first[-1], dict(at, samples=1 << (most - 1).bit_length())
 
 
 _HEADER = 8  # the block's header words: buffers, fields, the five offsets, the counts' columns

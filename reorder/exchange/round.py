@@ -396,9 +396,10 @@ class WindowRound:
             return
         now.fields = byte_fields(layout)
         now.moves = build_moves(now.fields, counts, plan, self.grid.rank)
+        bufs = [field_buffers(layout, shard, blobs) for shard, blobs in zip(now.window.shards, now.window.blobs)]
         if now.checked:  # before the executor's kernels read the same sources (on the same stream)
-            now.sent = self._sent_sums(now)
-        now.placement, now.sources = self._sources(layout, now.window)
+            now.sent = self._sent_sums(now, bufs)
+        now.placement, now.sources = self._sources(now.window, [t for b in bufs for t in b])
 
     @staticmethod
     def _group_layout(layout, signatures):
@@ -425,14 +426,13 @@ class WindowRound:
             ex = self._executors[device] = select_executor(device)
         return ex
 
-    def _sources(self, layout, window: _Window) -> tuple[Placement, list]:
-        """The window's placement and this rank's buffers, [slot * F + field], readable by the
-        executor on the target device (the others, e.g. host buffers that are not pinned, are moved
-        there whole, by DMA)."""
+    def _sources(self, window: _Window, bufs: list) -> tuple[Placement, list]:
+        """The window's placement and this rank's buffers `bufs` ([slot * F + field], `field_buffers`
+        of each slot), readable by the executor on the target device (the others, e.g. host buffers
+        that are not pinned, are moved there whole, by DMA)."""
         dev = self._target(window)
         executor = self._executor(dev)
         reads_pinned = getattr(executor, "reads_pinned_host", False)
-        bufs = [t for shard, blobs in zip(window.shards, window.blobs) for t in field_buffers(layout, shard, blobs)]
         placement = place(dev, [(t.device, reads_pinned and t.device.type == "cpu" and t.is_pinned()) for t in bufs],
                           executor=executor.name, reads_pinned_host=reads_pinned)
         return placement, [t if direct else t.to(dev, non_blocking=True) for t, direct in zip(bufs, placement.direct)]
@@ -474,13 +474,13 @@ class WindowRound:
 
     # ---- the self-check ---------------------------------------------------------------------------
 
-    def _sent_sums(self, now: _Pending) -> torch.Tensor:
-        """int64 [W, B/dp, CHECKED_FIELDS]: this rank's checksums of the samples it read, where it
-        read them (on CUDA one kernel launch for the window, on the target device), on their way to
-        the host (`_checked` records the event after which they are there; nothing waits)."""
+    def _sent_sums(self, now: _Pending, bufs: list) -> torch.Tensor:
+        """int64 [W, B/dp, CHECKED_FIELDS]: this rank's checksums of the samples it read (bufs: each
+        slot's `field_buffers`), where it read them (on CUDA one kernel launch for the window, on the
+        target device), on their way to the host (`_checked` records the event after which they are
+        there; nothing waits)."""
         window = now.window
-        parts = [(field_buffers(now.layout, shard, blobs), SampleCounts(window.counts.table[s]))
-                 for s, (shard, blobs) in enumerate(zip(window.shards, window.blobs))]
+        parts = [(b, SampleCounts(window.counts.table[s])) for s, b in enumerate(bufs)]
         sums = window_checksums(parts, now.fields, self._target(window), host=True)
         return sums.view(len(parts), -1, CHECKED_FIELDS)
 

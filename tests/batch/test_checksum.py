@@ -473,4 +473,4 @@ def test_the_counts_of_every_sample_part_after_part(most, samples):
     c, n = len(COLUMNS), 3 + most
     assert block[at["counts_at"]:at["out_at"]].reshape(n, c).tolist() == np.concatenate([a.table, b.table]).tolist()
     assert block[at["out_at"]:].tolist() == [0] * n * CHECKED_FIELDS and len(block) == at["out_at"] + n * CHECKED_FIELDS
-    assert (at["buffers"], at["fields"], at["columns"], at["samples"]) == (4, 2, c, samples)
+    assert (block[0], block[1], block[7], at["samples"]) == (4, 2, c, samples)  # buffers, fields, columns
