@@ -347,8 +347,8 @@ def main() -> int:
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
     offsets = set()
-    bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_exchanges(args, dev) + check_torch_exchanges(args, dev)
-           + check_no_wait(args, dev))
+    bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_exchanges(args, dev)
+           + check_torch_exchanges(args, dev) + check_no_wait(args, dev))
     from reorder.batch.triton_checksum import checksum_window
 
     variants = 1 if args.rehearse else compiled_variants(checksum_window)
