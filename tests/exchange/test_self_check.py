@@ -296,3 +296,49 @@ def test_the_sender_sums_its_sources_before_the_executor_reads_them(monkeypatch)
     assert moved[0] > 0 and len(events) == 2
     for seq in events.values():
         assert seq == ["sums", "run", "run", "sums"], seq  # pack and assemble between the two launches
+
+
+def test_the_sender_sums_the_very_buffers_the_executor_reads(monkeypatch):
+    """A checked window makes each slot's buffers once: the sender's checksums read the same tensors
+    that the executor's pack and assemble read (not copies made a second time, such as the pickled
+    lists' concatenation), and `field_buffers` runs once per slot."""
+    from reorder.exchange import round as round_module
+    made, summed, read = {}, {}, {}  # rank (its thread) -> field_buffers calls / the sender's buffers / the executor's
+    sums, buffers = round_module.window_checksums, round_module.field_buffers
+
+    def counting_buffers(*a, **k):
+        made[threading.get_ident()] = made.get(threading.get_ident(), 0) + 1
+        return buffers(*a, **k)
+
+    def recording_sums(parts, fields, device, **kw):
+        summed.setdefault(threading.get_ident(), []).append([t for bufs, _ in parts for t in bufs])
+        return sums(parts, fields, device, **kw)
+
+    class Recording(TorchExecutor):
+        def run(self, segments, sources, destinations, held=None):
+            read.setdefault(threading.get_ident(), []).append(list(sources))
+            return super().run(segments, sources, destinations)
+
+    monkeypatch.setattr(round_module, "window_checksums", recording_sums)
+    monkeypatch.setattr(round_module, "field_buffers", counting_buffers)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=1, window_size=2)
+        ex.round._executors[torch.device("cpu")] = Recording()
+        rng = np.random.default_rng(5)
+        gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
+        for g in gs:
+            g["sample_ids"] = [f"s{i}" for i in range(8)]  # a per-sample list: its buffer is made by concatenation
+        _, report = ex.exchange([syn.rank_share(g, 2, r) for g in gs])
+        ex.exchange([])
+        return report.moved_samples
+
+    moved = run_emulated(2, fn, timeout=30)
+    assert moved[0] > 0 and len(made) == 2
+    for rank in made:
+        sent = summed[rank][0]
+        pack, assemble = read[rank]
+        assert made[rank] == 2  # once per slot of the one window
+        assert all(a is b for a, b in zip(sent, pack, strict=True)), "the sender summed other tensors than pack read"
+        assert all(a is b for a, b in zip(sent, assemble[1:], strict=True))  # assemble: the received buffer first
