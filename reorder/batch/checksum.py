@@ -274,8 +274,10 @@ def _readable(t: torch.Tensor, device: torch.device, interpret: bool) -> bool:
     if not t.is_contiguous():
         return False
     if interpret:
-        return t.device.type == "cpu"
-    return t.device == device or (t.device.type == "cpu" and t.is_pinned())
+        return t.is_cpu
+    if t.is_cuda:  # its flag and index, not `t.device`: a torch.device made per buffer costs host time
+        return device.type == "cuda" and t.get_device() == device.index
+    return t.device == device or (t.is_cpu and t.is_pinned())
 
 
 def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
