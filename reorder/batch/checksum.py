@@ -220,8 +220,9 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
                 if programs:
                     _launch(kernel, programs, data, consts)
                     held = [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
-                    if held:
-                        _HELD.hold(held, torch.cuda.current_stream(device))
+                    # every launch lets go of the holds that are done, one with nothing to hold too:
+                    # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
+                    _HELD.hold(held, torch.cuda.current_stream(device) if held else None)
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
         _KERNEL[0] = None
         log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "

@@ -27,7 +27,7 @@ class KeepAlive:
 
     def hold(self, tensors: list, stream) -> None:
         """Keep `tensors` until the work queued so far on `stream` is done (no event when there is
-        nothing to keep); let go of those whose launches have completed."""
+        nothing to keep, and then `stream` may be None); let go of those whose launches have completed."""
         with self._lock:
             while self._pending and self._pending[0][0].query():
                 self._pending.popleft()
