@@ -4,6 +4,7 @@ entries, per-row and per-image fields, the list field, more fields than checksum
 ones share the last word, told apart by their salt), samples without rows, images or list bytes,
 buffers of any dtype and at any byte offset; and the result's place: the buffers' device."""
 
+import contextlib
 import ctypes
 import sys
 import types
@@ -385,6 +386,40 @@ def test_the_launch_device_and_what_it_can_read(monkeypatch, plain_kernel):
     assert got.device.type == "cpu"
     want = spec_checksums(fields, [data.tobytes()], 2, {"rows": [0, 0], "images": [0, 0], "list_bytes": [0, 0]})
     assert got.numpy().view(np.uint64).tolist() == want
+
+
+class _CudaBuffer:
+    """What `_readable` asks of a contiguous buffer on CUDA device `index` (no GPU needed)."""
+
+    is_cuda, is_cpu = True, False
+
+    def __init__(self, index):
+        self.index = index
+
+    def is_contiguous(self):
+        return True
+
+    def get_device(self):
+        return self.index
+
+
+def test_a_cuda_buffer_is_read_on_its_own_device_only():
+    """A CUDA buffer is read by address when it is on the launch device: the same index, a CUDA
+    launch device; another GPU's buffer is summed with torch ops where it lives."""
+    assert cs._readable(_CudaBuffer(1), torch.device("cuda", 1), False) is True
+    assert cs._readable(_CudaBuffer(1), torch.device("cuda", 0), False) is False
+    assert cs._readable(_CudaBuffer(0), torch.device("cuda", 0), False) is True
+    assert cs._readable(_CudaBuffer(0), torch.device("meta"), False) is False  # no CUDA launch device
+
+
+def test_the_launch_enters_a_device_context_only_for_another_device(monkeypatch):
+    """`_current`: nothing to enter when the launch device is the current one; else torch's context
+    for the launch device."""
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or "context")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert isinstance(cs._current(torch.device("cuda", 1)), type(contextlib.nullcontext())) and entered == []
+    assert cs._current(torch.device("cuda", 0)) == "context" and entered == [torch.device("cuda", 0)]
 
 
 def test_the_kernel_is_imported_once_and_a_failed_launch_is_logged_once(monkeypatch, caplog):
