@@ -301,8 +301,8 @@ def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
 def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int, dict]:
     """The kernel's input as one int64 array, its number of programs, and the offsets of the array's
     parts with `samples`, the kernel's SAMPLES (`triton_checksum` documents the layout; the header
-    holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the kernel reads it when
-    `readable[part][field]`, in programs of `chunk` words over its bytes. The host writes what it
+    holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the
+    kernel reads it when `readable[part][field]`, in programs of `chunk` words over its bytes. The host writes what it
     holds, in a fixed number of array operations whatever the window's micro-batches and samples
     (the field rows made once per layout); the device cuts the work. The output words (zero) come
     last. `alloc(size)` gives the int64 array to fill (default np.empty). parts: at least one."""
