@@ -5,23 +5,27 @@ of the check (checksums where the samples are read, the frame, the comparison on
 assembled) without a collective; the micro-batches are realistic Qwen-VL ones, on CUDA from pinned
 host memory (--inputs pinned, the default: every read of a sample crosses the host link, the
 sender's checksum read too) or already on the GPU (--inputs device), elsewhere on the host.
+--early-copy: each micro-batch is copied to the device as it is counted (early_copy=True), so
+pinned inputs too are read from the device.
 
 Each checked setting runs once per checksum path of --paths: `kernel` (the round's own: on CUDA one
-Triton launch per window and side, `reorder.batch.checksum.window_checksums`) and `torch` (the torch
+Triton launch for the sources read in place from pinned host memory, if any, and one for the rest,
+`reorder.batch.checksum.window_checksums`) and `torch` (the torch
 ops, the fallback), in the same alternation, so the kernel's saving is read off one table. On CUDA
 both by default; elsewhere `kernel` alone (there it is the torch ops).
 
   PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--inputs pinned|device] [--micro-batch 16]
-                                           [--window 1] [--windows 200] [--paths kernel,torch] [--json F]
+                                           [--window 1] [--windows 200] [--paths kernel,torch] [--early-copy]
+                                           [--json F]
 
 --window: micro-batches per window (1, the default, is the smallest window: the check's fixed
 host cost per window weighs most there).
 
 Prints one row per setting and path: median host ms per window, mean device ms per window (CUDA
 events), the ratio to off, and how many of the row's checksum calls the kernel served; then the
-check's host time part by part (mean µs per timed window of each checked row: the sender's sums, the
-receiver's sums and their copy to the host, within both the launch tables and the kernel paths, the
-read-back at the next window, the comparison); writes JSON."""
+check's host time part by part (mean µs per timed window of each checked row: the sums of the held
+sources, the other sums and their copy to the host, within both the launch tables and the kernel
+paths, the read-back at the next window, the comparison); writes JSON."""
 
 from __future__ import annotations
 
@@ -40,8 +44,8 @@ from reorder.exchange import round as round_module
 
 SETTINGS = {"off": 0, "every 100th": 100, "every window": 1}
 # the check's host parts: name -> (owner, attribute) timed in place
-PARTS = {"sender sums": (round_module.WindowRound, "_sent_sums"),
-         "receiver sums + copy": (round_module.WindowRound, "_checked"),
+PARTS = {"held sources' sums": (round_module.WindowRound, "_sent_sums"),
+         "the other sums + copy": (round_module.WindowRound, "_checked"),
          "launch blocks (both)": (checksum, "launch_block"),
          "kernel paths (both)": (checksum, "kernel_checksums"),
          "read-back": (round_module.WindowRound, "_check_words"),
@@ -118,6 +122,8 @@ def main():
     p.add_argument("--window", type=int, default=1, help="micro-batches per window (at most 8)")
     p.add_argument("--windows", type=int, default=200, help="timed windows per row")
     p.add_argument("--warmup", type=int, default=10, help="untimed windows per row first (Triton compiles, caches fill)")
+    p.add_argument("--early-copy", action="store_true", help="the exchangers copy each micro-batch to the device "
+                                                             "as they count it (early_copy=True)")
     p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
                                    "kernel elsewhere)")
     p.add_argument("--json")
@@ -142,7 +148,8 @@ def main():
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
     rows = rows_of(paths)
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
-                                window_size=args.window, device=dev, verify=n) for name, n, _ in rows}
+                                window_size=args.window, device=dev, verify=n, early_copy=args.early_copy)
+          for name, n, _ in rows}
     impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
     device = {name: [] for name in ex}
@@ -180,7 +187,8 @@ def main():
                               kernel_calls=impl[name].kernel, checksum_samples=impl[name].samples,
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)
-    print(f"micro-batches: {inputs}, {args.window} per window of {args.micro_batch} samples")
+    print(f"micro-batches: {inputs}{', copied early' if args.early_copy else ''}, {args.window} per window of "
+          f"{args.micro_batch} samples")
     print(f"{'self-check':24} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7} {'kernel sums':>12}")
     for name, r in out_rows.items():
         dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
@@ -194,8 +202,8 @@ def main():
     print(f"{'(median host time over off)':38}"
           + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):22.1f}" for name in checked))
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
-               inputs=inputs, window=args.window, micro_batch=args.micro_batch, seq_len=args.seq_len,
-               features=args.features, mix=args.mix, windows=args.windows, paths=paths, settings=out_rows)
+               inputs=inputs, early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch,
+               seq_len=args.seq_len, features=args.features, mix=args.mix, windows=args.windows, paths=paths, settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -48,7 +48,8 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 def checksums(buffers: list, fields: tuple, counts: SampleCounts) -> torch.Tensor:
     """int64 [n, CHECKED_FIELDS] on `gathering_device(buffers)`: the checksums of the n samples
     (counts [n]) of a shard whose buffers (contiguous, one per `ByteField` of `fields`, in order) are
-    `buffers`. Each field is summed where its buffer lives."""
+    `buffers`; a buffer None is left out (its field adds nothing). Each field is summed where its
+    buffer lives."""
     n = counts.shape[0]
     dev = gathering_device(buffers)
     out = torch.zeros(n, CHECKED_FIELDS, dtype=torch.int64, device=dev)
@@ -63,12 +64,14 @@ def gathering_device(buffers: list) -> torch.device:
     """Where the torch ops gather the sums of `buffers`: the first one's device that is not the host,
     else the host. The copies into it then go to a device, never from one: a non-blocking copy from
     a device to the host returns before its bytes land, and the host would add them up too early."""
-    return next((t.device for t in buffers if t.device.type != "cpu"), torch.device("cpu"))
+    return next((t.device for t in buffers if t is not None and t.device.type != "cpu"), torch.device("cpu"))
 
 
 def field_sums(f: int, field: tuple, buf: torch.Tensor, counts: SampleCounts) -> torch.Tensor | None:
     """int64 [n] on buf's device: the n samples' checksums of field number `f` (a `ByteField`) held
-    by `buf`; None when the field holds no bytes."""
+    by `buf`; None when the field holds no bytes or is left out (`buf` None)."""
+    if buf is None:
+        return None
     kind, pre, unit = field
     n = counts.shape[0]
     dev = buf.device
@@ -133,7 +136,7 @@ def window_checksums(parts: list, fields: tuple, device, *, host: bool = False,
                      interpret: bool = False) -> torch.Tensor:
     """int64 [N, CHECKED_FIELDS]: the checksums of every sample of a window's micro-batches, part
     after part (N: their samples); parts: per micro-batch (its buffers, one per `ByteField` of
-    `fields`, and its SampleCounts [n]).
+    `fields`, or None for a field left out, and its SampleCounts [n]).
 
     On a CUDA `device` (where Triton imports): one kernel launch for every field whose buffer it
     can read by address (on that device, or pinned host memory), the others summed with torch ops
@@ -199,7 +202,7 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     if kernel is None:
         return None
     n = sum(counts.shape[0] for _, counts in parts)
-    readable = [[_readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
+    readable = [[t is not None and _readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
     if not any(map(any, readable)):
         return None
     # the input, then the sums' words zeroed: one pinned block, one copy to the device, and the sums
@@ -283,8 +286,8 @@ def _readable(t: torch.Tensor, device: torch.device, interpret: bool) -> bool:
 
 def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
     """int64 [n, CHECKED_FIELDS] on the host: the torch sums of the buffers the kernel does not
-    read (None when it reads them all)."""
-    if all(map(all, readable)):
+    read (None when it reads every buffer that is not left out)."""
+    if all(ok or t is None for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r)):
         return None
     out = torch.zeros(n, CHECKED_FIELDS, dtype=torch.int64)
     at = 0
@@ -302,10 +305,10 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     """The kernel's input as one int64 array, its number of programs, and the offsets of the array's
     parts with `samples`, the kernel's SAMPLES (`triton_checksum` documents the layout; the header
     holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the
-    kernel reads it when `readable[part][field]`, in programs of `chunk` words over its bytes. The host writes what it
-    holds, in a fixed number of array operations whatever the window's micro-batches and samples
-    (the field rows made once per layout); the device cuts the work. The output words (zero) come
-    last. `alloc(size)` gives the int64 array to fill (default np.empty). parts: at least one."""
+    kernel reads it when `readable[part][field]` (a buffer it does not read may be None), in
+    programs of `chunk` words over its bytes. The host writes what it holds, in a fixed number of
+    array operations whatever the window's micro-batches and samples (the field rows made once per
+    layout); the device cuts the work. The output words (zero) come last. `alloc(size)` gives the int64 array to fill (default np.empty). parts: at least one."""
     rows, widths = _field_constants(tuple(fields))
     bufs, first, row0, most = [], [0], 0, 16  # SAMPLES at least 16: one compiled variant for most windows
     for p, ((held, counts), r) in enumerate(zip(parts, readable)):
@@ -315,7 +318,7 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
         for t, ok, width in zip(held, r, widths):
             size = t.nbytes if ok else 0
             first.append(first[-1] + -(-(size // width) // chunk))
-            bufs += (t.data_ptr(), size, row0, n)
+            bufs += (0 if t is None else t.data_ptr(), size, row0, n)
         row0, most = row0 + n, max(most, n)
     counts = np.concatenate([c.table for _, c in parts])
     buffers = len(first) - 1

@@ -119,7 +119,7 @@ class _Pending:
     outgoing: Outgoing | None = None
     skipped: bool = False
     checked: bool = False  # the self-check covers this window
-    sent: torch.Tensor | None = None  # checked: this rank's sums of what it read [W, B/dp, CHECKED_FIELDS], host
+    sent: torch.Tensor | None = None  # checked: this rank's sums of its held sources [W, B/dp, CHECKED_FIELDS], host
     sums: np.ndarray | None = None  # the last checked window's sums, sent in this window's frame
     made: dict | None = None  # output slot -> its assembled buffers (slots not kept)
 
@@ -397,9 +397,9 @@ class WindowRound:
         now.fields = byte_fields(layout)
         now.moves = build_moves(now.fields, counts, plan, self.grid.rank)
         bufs = [field_buffers(layout, shard, blobs) for shard, blobs in zip(now.window.shards, now.window.blobs)]
-        if now.checked:  # before the executor's kernels read the same sources (on the same stream)
-            now.sent = self._sent_sums(now, bufs)
         now.placement, now.sources = self._sources(now.window, [t for b in bufs for t in b])
+        if now.checked:  # before the executor's kernels read the same sources (on the same stream)
+            now.sent = self._sent_sums(now)
 
     @staticmethod
     def _group_layout(layout, signatures):
@@ -474,20 +474,36 @@ class WindowRound:
 
     # ---- the self-check ---------------------------------------------------------------------------
 
-    def _sent_sums(self, now: _Pending, bufs: list) -> torch.Tensor:
-        """int64 [W, B/dp, CHECKED_FIELDS]: this rank's checksums of the samples it read (bufs: each
-        slot's `field_buffers`), where it read them (on CUDA one kernel launch for the window, on the
-        target device), on their way to the host (`_checked` records the event after which they are
-        there; nothing waits)."""
-        window = now.window
-        parts = [(b, SampleCounts(window.counts.table[s])) for s, b in enumerate(bufs)]
-        sums = window_checksums(parts, now.fields, self._target(window), host=True)
-        return sums.view(len(parts), -1, CHECKED_FIELDS)
+    def _sent_sums(self, now: _Pending) -> torch.Tensor | None:
+        """int64 [W, B/dp, CHECKED_FIELDS] on their way to the host (`_checked` records the event
+        after which they are there; nothing waits), or None when no source is `held`: this rank's
+        checksums of the sources that the executor's kernels read in place from host memory (the
+        placement's `held`), the other fields left out. These are read now, by their own launch (on
+        CUDA one kernel for the window), which holds them until it is done, before the executor
+        reads them: a reader of the same host memory whose hold is missing then reads bytes that
+        differ from the summed ones, and the check sees it. Read later, under the checksum's own
+        hold, they would be kept alive for that reader too, and its defect hidden. The sources on
+        the device are summed with what this rank assembled, in `_checked`'s launch."""
+        parts = self._sender_parts(now, held=True)
+        if parts is None:
+            return None
+        return window_checksums(parts, now.fields, now.placement.target, host=True).view(len(parts), -1, CHECKED_FIELDS)
+
+    def _sender_parts(self, now: _Pending, *, held: bool) -> list | None:
+        """Per slot (its sources whose placement `held` is `held`, None for the others; its
+        SampleCounts), or None when no source is."""
+        nf, which = len(now.fields), now.placement.held
+        if held not in which:
+            return None
+        table = now.window.counts.table
+        return [([t if h == held else None for t, h in zip(now.sources[s * nf:(s + 1) * nf], which[s * nf:(s + 1) * nf])],
+                 SampleCounts(table[s])) for s in range(len(table))]
 
     def _checked(self, now: _Pending) -> "_Check":
-        """The checked window's sums, both sides: what this rank read (`now.sent`) and what it
-        assembled, on their way to the host (read at the next `read`, without a wait of their own by
-        then: the device has long passed them)."""
+        """The checked window's sums, both sides, on their way to the host (read at the next `read`,
+        without a wait of their own by then: the device has long passed them): what this rank
+        assembled, what it read of the sources on the device, and `now.sent` (the held ones), all
+        but `now.sent` summed in one call (on CUDA one kernel launch)."""
         moves, dev, nf = now.moves, now.placement.target, len(now.fields)
         parts = []
         for s in range(len(now.batches)):
@@ -495,11 +511,13 @@ class WindowRound:
                 parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
             else:
                 parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
-        got = window_checksums(parts, now.fields, dev, host=True).view(now.sent.shape)  # one launch on CUDA
-        # one event for both sides' copies to the host: the window's steps run on one thread, and so
-        # on one stream of the target device
+        late = self._sender_parts(now, held=False) or []
+        sums = window_checksums(parts + late, now.fields, dev, host=True).view(len(parts) + len(late), -1, CHECKED_FIELDS)
+        # one event for every copy to the host: the window's steps run on one thread, and so on one
+        # stream of the target device
         return _Check(window=self._windows - 1, orders=now.plan.orders[:len(parts)], layout=now.layout,
-                      sums=(now.sent, got), event=_recorded(dev) if dev.type == "cuda" else None)
+                      sums=(now.sent, sums[len(parts):] if late else None, sums[:len(parts)]),
+                      event=_recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
         """int64 [W, B/dp, 2 * CHECKED_FIELDS] of the last checked window (the sender's sums, then the
@@ -508,7 +526,9 @@ class WindowRound:
             return None
         if self._check.event is not None:
             self._check.event.synchronize()
-        return np.concatenate([t.numpy() for t in self._check.sums], axis=-1)
+        held, late, got = (None if t is None else t.numpy() for t in self._check.sums)
+        sent = late if held is None else held if late is None else held + late  # int64 arrays wrap, as the sums do
+        return np.concatenate([sent, got], axis=-1)
 
     def _compared(self, frames: np.ndarray) -> str | None:
         """Every rank's sums of the last checked window, from the gathered frames: every rank compares
@@ -574,10 +594,11 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
 
 @dataclass
 class _Check:
-    """A checked window whose sums wait for the next window frame: sums (the sender's, the
-    receiver's; host tensors [W, B/dp, CHECKED_FIELDS]), the event after which they are readable
-    (None when no device wrote them), the window's canonical orders [W, B] and its layout (the
-    field names of an error)."""
+    """A checked window whose sums wait for the next window frame: sums (the sender's of its held
+    sources and of its other sources, either None when it has none, and the receiver's; host
+    tensors [W, B/dp, CHECKED_FIELDS]; the sender's are the first two added), the event after which
+    they are readable (None when no device wrote them), the window's canonical orders [W, B] and
+    its layout (the field names of an error)."""
 
     window: int
     orders: np.ndarray

@@ -328,6 +328,35 @@ class PlainWindow:
         return launch
 
 
+@settings(max_examples=60, deadline=None)
+@given(windows(), st.integers(0, 2**20))
+def test_a_buffer_left_out_adds_nothing(window, mask):
+    """A buffer given as None is left out: the sums with some buffers left out and the sums with the
+    others left out add up to the documented sums of all (the round sums a slot's sources in two
+    such calls), on the torch ops and through one launch; everything left out: zeros."""
+    fields, parts = window
+    out = {(i, f) for i, (bufs, _, _, _) in enumerate(parts) for f in range(len(bufs)) if mask >> ((i * 7 + f) % 20) & 1}
+
+    def keeping(left_out: bool) -> list:
+        return [([None if ((i, f) in out) == left_out else t for f, t in enumerate(bufs)], c)
+                for i, (bufs, c, _, _) in enumerate(parts)]
+
+    def launched(ps):
+        cs._KERNEL[:] = [PlainWindow()]
+        try:
+            got = cs.kernel_checksums(ps, fields, "cpu", interpret=True, block=4, chunk=8)
+        finally:
+            cs._KERNEL[:] = []
+        return cs.torch_checksums(ps, fields) if got is None else got
+
+    n = sum(c.shape[0] for _, c, _, _ in parts)
+    for path in (lambda ps: cs.torch_checksums(ps, fields), launched):
+        a, b = path(keeping(True)), path(keeping(False))
+        assert (a + b).numpy().view(np.uint64).tolist() == spec_window(fields, parts)
+        nothing = path([([None] * len(bufs), c) for bufs, c, _, _ in parts])
+        assert nothing.shape == (n, CHECKED_FIELDS) and not nothing.any()
+
+
 @pytest.fixture
 def plain_kernel(monkeypatch):
     kernel = PlainWindow()

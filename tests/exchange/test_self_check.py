@@ -264,21 +264,40 @@ class TestMessage(expecttest.TestCase):
         self.assertExpectedInline(str(res["language"][0]), """self-check failed: window 0, micro-batch 0: rank 2 holds at position 0 the sample of natural position 7 (read by rank 3), and it differs in field 'input_ids' from what rank 3 read (1 (sample, field) checksum(s) differ)""")
 
 
-def test_the_sender_sums_its_sources_before_the_executor_reads_them(monkeypatch):
-    """In a checked window each rank's checksum launch for what it read comes before the window's
-    first executor run (pack, assemble) and the one for what it assembled after the last: on one
-    stream, a copy that reads the sources late is then caught, not hidden by the checksum's hold."""
+def holding(monkeypatch, which):
+    """The round's placement with `held` = which(source index): the sources the check must read
+    early (on a CUDA target, those read in place from pinned host memory) chosen on the CPU."""
     from reorder.exchange import round as round_module
+    from reorder.exchange.placement import Placement, place
+
+    def held_place(target, sources, **kw):
+        p = place(target, sources, **kw)
+        return Placement(target=p.target, executor=p.executor, direct=p.direct,
+                         held=tuple(bool(which(i)) for i in range(len(sources))))
+
+    monkeypatch.setattr(round_module, "place", held_place)
+
+
+@pytest.mark.parametrize("held", ["none", "every other", "all"])
+def test_held_sources_are_summed_before_the_executor_reads_them_the_rest_with_the_assembled(monkeypatch, held):
+    """In a checked window the sources that the executor reads in place from host memory (held)
+    are summed by a launch of their own before the window's first executor run (pack, assemble):
+    a copy that reads them late is then caught, not hidden by the checksum's hold. Everything else
+    (what this rank assembled, its other sources) is summed after the last run, in one launch: with
+    no held source, one launch a window."""
+    from reorder.exchange import round as round_module
+    which = {"none": lambda i: False, "every other": lambda i: i % 2, "all": lambda i: True}[held]
+    holding(monkeypatch, which)
     events = {}  # rank (its thread) -> what it did, in order
     sums = round_module.window_checksums
 
     def recording_sums(parts, fields, device, **kw):
-        events.setdefault(threading.get_ident(), []).append("sums")
+        events.setdefault(threading.get_ident(), []).append(("sums", [t is None for bufs, _ in parts for t in bufs]))
         return sums(parts, fields, device, **kw)
 
     class Recording(TorchExecutor):
         def run(self, segments, sources, destinations, held=None):
-            events.setdefault(threading.get_ident(), []).append("run")
+            events.setdefault(threading.get_ident(), []).append(("run", None))
             return super().run(segments, sources, destinations)
 
     monkeypatch.setattr(round_module, "window_checksums", recording_sums)
@@ -295,15 +314,48 @@ def test_the_sender_sums_its_sources_before_the_executor_reads_them(monkeypatch)
     moved = run_emulated(2, fn, timeout=30)
     assert moved[0] > 0 and len(events) == 2
     for seq in events.values():
-        assert seq == ["sums", "run", "run", "sums"], seq  # pack and assemble between the two launches
+        steps = [what for what, _ in seq]
+        left_out = [none for _, none in seq if none is not None]
+        if held == "none":
+            assert steps == ["run", "run", "sums"], steps
+            nf = len(left_out[0]) // 2  # one part assembled, then the sources
+            assert not any(left_out[0])
+        else:
+            assert steps == ["sums", "run", "run", "sums"], steps  # pack and assemble between the two launches
+            early, late = left_out
+            nf = len(early)
+            assert [not x for x in early] == [bool(which(i)) for i in range(nf)]  # the held ones only
+            assert not any(late[:nf])  # what it assembled, whole
+            if held == "all":
+                assert len(late) == nf  # no other source: the assembled part alone
+            else:
+                assert late[nf:] == [not x for x in early]  # the other sources: the complement
+        assert nf > 2
+
+
+@pytest.mark.parametrize("fault", ["flip", "drop", "swap"])
+@pytest.mark.parametrize("held", ["every other", "all"])
+def test_a_fault_is_caught_whether_its_source_was_summed_early_or_late(monkeypatch, fault, held):
+    """The sender's sums of held sources (their own launch) and of the others (with the assembled
+    ones) add up to what the sender read: a correct exchange passes, a faulty executor is caught on
+    every rank."""
+    holding(monkeypatch, (lambda i: i % 2) if held == "every other" else (lambda i: True))
+    ok = stream({"vision": 2, "language": 4}, seed=21)
+    assert not any(isinstance(r, BaseException) for rs in ok.values() for r in rs), ok
+    res = stream({"vision": 2, "language": 4}, seed=21, faulty=("language", 1), fault=fault)
+    errors = [r for r in res["language"]]
+    assert all(isinstance(e, ReorderError) and "self-check failed" in str(e) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1
 
 
 def test_the_sender_sums_the_very_buffers_the_executor_reads(monkeypatch):
-    """A checked window makes each slot's buffers once: the sender's checksums read the same tensors
-    that the executor's pack and assemble read (not copies made a second time, such as the pickled
-    lists' concatenation), and `field_buffers` runs once per slot."""
+    """A checked window makes each slot's buffers once: the sender's checksums (the held sources in
+    their own launch, the others with the assembled ones) read the same tensors that the executor's
+    pack and assemble read (not copies made a second time, such as the pickled lists'
+    concatenation), and `field_buffers` runs once per slot."""
     from reorder.exchange import round as round_module
-    made, summed, read = {}, {}, {}  # rank (its thread) -> field_buffers calls / the sender's buffers / the executor's
+    holding(monkeypatch, lambda i: i % 3 == 0)
+    made, summed, read = {}, {}, {}  # rank (its thread) -> field_buffers calls / the sums' buffers / the executor's
     sums, buffers = round_module.window_checksums, round_module.field_buffers
 
     def counting_buffers(*a, **k):
@@ -337,8 +389,11 @@ def test_the_sender_sums_the_very_buffers_the_executor_reads(monkeypatch):
     moved = run_emulated(2, fn, timeout=30)
     assert moved[0] > 0 and len(made) == 2
     for rank in made:
-        sent = summed[rank][0]
+        early, late = summed[rank]
         pack, assemble = read[rank]
+        late = late[-len(early):]  # after what this rank assembled: its sources not held
+        assert all((a is None) != (b is None) for a, b in zip(early, late, strict=True))
+        sent = [a if b is None else b for a, b in zip(early, late)]
         assert made[rank] == 2  # once per slot of the one window
         assert all(a is b for a, b in zip(sent, pack, strict=True)), "the sender summed other tensors than pack read"
         assert all(a is b for a, b in zip(sent, assemble[1:], strict=True))  # assemble: the received buffer first
