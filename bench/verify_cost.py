@@ -201,7 +201,10 @@ def main():
         print(f"{part:38}" + "".join(f"{out_rows[name]['host_us_by_part'][part]:22.1f}" for name in checked))
     print(f"{'(median host time over off)':38}"
           + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):22.1f}" for name in checked))
+    if cuda:
+        print(f"checksum launches captured in CUDA graphs: {checksum._CAPTURE[0]}")
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
+               captured=bool(cuda and checksum._CAPTURE[0]),
                inputs=inputs, early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch,
                seq_len=args.seq_len, features=args.features, mix=args.mix, windows=args.windows, paths=paths, settings=out_rows)
     if args.json:

@@ -4,7 +4,9 @@ kernel by address) or in pageable host memory (summed by torch ops and added in)
 enough to span many programs; the torch ops on the device agree with them on the host; a flipped
 byte changes exactly its (sample, field) sum; dp-1 windows through the exchanger with verify=1 pass
 with the kernel summing both sides, a byte the executor flips is caught at the next window; a checked
-window returns with a long kernel still queued ahead of it (no wait for the device); and the kernel
+window returns with a long kernel still queued ahead of it (no wait for the device); the sums to the
+host through captured launches (`checksum.Graphs`) equal too; pinned sources dropped right after the
+call while the device lags are held until the kernel has read them; and the kernel
 compiled once (the input's offsets multiples of 16 and not); and the kernel's first window in the
 process, compared with the torch ops while the device lags, keeps the kernel.
 
@@ -88,6 +90,7 @@ def random_window(rng, dev):
 def check_windows(args, dev, offsets: set) -> int:
     rng, bad, launched, t_kernel, t_torch, lagging = np.random.default_rng(0), 0, 0, 0.0, 0.0, 0
     sync, kernel = synchronizer(dev), functools.partial(cs.kernel_checksums, interpret=args.rehearse)
+    graphs = cs.Graphs()  # captured launches: each window's sums are read before the next call
     for k in range(args.windows):
         parts, host, fields, where = random_window(rng, dev)
         want = cs.torch_checksums(host, fields)
@@ -109,6 +112,7 @@ def check_windows(args, dev, offsets: set) -> int:
             print(f"window {k}: the kernel's sums differ from the torch ops' on the host", flush=True)
             continue
         lagging += check_host_sums(parts, fields, dev, kernel, want, far=k % 10 == 0)
+        lagging += check_host_sums(parts, fields, dev, functools.partial(kernel, graphs=graphs), want, far=k % 10 == 5)
         on_device = [([t.to(dev) for t in bufs], c) for bufs, c in host]
         t0 = time.perf_counter()
         again = cs.torch_checksums(on_device, fields)
@@ -153,10 +157,45 @@ def check_host_sums(parts, fields, dev, kernel, want, far: bool) -> int:
     early = far and event.query()  # True: the host waited for the device somewhere
     event.synchronize()
     ok = not early and got.device.type == "cpu" and got.is_pinned() and torch.equal(got, want)
+    if not ok and kernel.keywords.get("graphs") is not None:
+        print("(through captured launches)", flush=True)
     if not ok:
         print(f"sums to the host: returned after the device: {early}, pinned: {got.is_pinned()}, equal to the torch "
               f"ops': {torch.equal(got, want)}", flush=True)
     return int(not ok)
+
+
+def check_held_sources(args, dev) -> int:
+    """Pinned sources dropped right after the call, with the device lagging, and new pinned buffers
+    of the same sizes filled at once (the caching host allocator hands a freed block out again at
+    once unless something holds it): the sums, uncaptured and through captured launches, are those
+    of the dropped sources' bytes, and no new buffer got a dropped one's block before the kernel
+    ran. Returns the number of wrong windows."""
+    if dev.type != "cuda":
+        return 0
+    rng, bad, reused, graphs = np.random.default_rng(7), 0, 0, cs.Graphs()
+    fields = (ByteField("dense", 2, 4096), ByteField("row", 1, 256))
+    for k in range(20):
+        counts = SampleCounts.of(rows=rng.integers(1, 64, 8))
+        host = [torch.from_numpy(rng.integers(0, 256, (2, 8, 4096), dtype=np.uint8)),
+                torch.from_numpy(rng.integers(0, 256, (int(counts.rows.sum()), 256), dtype=np.uint8))]
+        want = cs.torch_checksums([(host, counts)], fields)
+        pinned = [t.pin_memory() for t in host]
+        torch.cuda._sleep(50_000_000)
+        got = cs.kernel_checksums([(pinned, counts)], fields, dev, host=True, graphs=graphs if k % 2 else None)
+        blocks = {t.data_ptr() for t in pinned}
+        del pinned
+        fresh = [torch.empty(t.shape, dtype=torch.uint8, pin_memory=True).fill_(0x5A) for t in host]
+        reused += sum(t.data_ptr() in blocks for t in fresh)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
+        event.synchronize()
+        if got is None or not torch.equal(got, want):
+            bad += 1
+            print(f"held sources, window {k} ({'captured' if k % 2 else 'uncaptured'}): the sums differ from the "
+                  f"dropped sources'", flush=True)
+    print(f"held sources: 20 windows, {bad} wrong, {reused} new buffers got a dropped source's block", flush=True)
+    return bad + reused
 
 
 def flipping(executor):
@@ -196,9 +235,20 @@ def check_exchanges(args, dev) -> int:
                 def __getitem__(self, grid):
                     calls.append(grid)
                     return compiled[grid]
+
+                def __getattr__(self, name):  # what a capture asks of it (its module loaded first)
+                    return getattr(compiled, name)
             return Compiled()
 
-    cs._KERNEL[0] = Counting()
+    replay = cs._Captured.replay
+
+    def counting_replay(self, kernel_, consts):  # a captured launch: one replay, no launcher call
+        done = replay(self, kernel_, consts)
+        if done:
+            calls.append("replay")
+        return done
+
+    cs._KERNEL[0], cs._Captured.replay = Counting(), counting_replay
     ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev, window_size=2,
                          verify=1)
     flip = ex.round._executors[dev] = flipping(TorchExecutor() if args.rehearse else TritonExecutor())
@@ -214,9 +264,10 @@ def check_exchanges(args, dev) -> int:
     except ReorderError as e:
         print(f"flipped byte caught: {str(e)[:160]}", flush=True)
     ok_kernel = isinstance(cs._KERNEL[0], Counting)
-    bad += int(not ok_kernel) + int(launches < 8)
-    cs._KERNEL[0] = kernel
-    print(f"exchanges: 8 windows, {launches} kernel launches, kernel never failed: {ok_kernel}", flush=True)
+    bad += int(not ok_kernel) + int(launches < 8) + int(not cs._CAPTURE[0] and not args.rehearse)
+    cs._KERNEL[0], cs._Captured.replay = kernel, replay
+    print(f"exchanges: 8 windows, {launches} kernel launches ({calls[:launches].count('replay')} captured), kernel "
+          f"never failed: {ok_kernel}, capturing: {cs._CAPTURE[0]}", flush=True)
     return bad
 
 
@@ -347,15 +398,16 @@ def main() -> int:
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
     offsets = set()
-    bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_exchanges(args, dev)
-           + check_torch_exchanges(args, dev) + check_no_wait(args, dev))
+    bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_held_sources(args, dev)
+           + check_exchanges(args, dev) + check_torch_exchanges(args, dev) + check_no_wait(args, dev))
     from reorder.batch.triton_checksum import checksum_window
 
     variants = 1 if args.rehearse else compiled_variants(checksum_window)
     print(f"compiled variants: checksum kernel {variants} (output offsets multiples of 16: {sorted(offsets)})",
           flush=True)
     recompiled = int(variants != 1) + int(len(offsets) != 2 and not args.rehearse)
-    print({"ok": bad + recompiled == 0, "windows": args.windows, "compiled_once": recompiled == 0})
+    print({"ok": bad + recompiled == 0, "windows": args.windows, "compiled_once": recompiled == 0,
+           "capturing": cs._CAPTURE[0]})
     return 1 if bad + recompiled else 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import mmap
 import os
 
 import numpy as np
@@ -132,8 +133,8 @@ _KERNEL = []  # [the Triton checksum kernel, or None where triton does not impor
 _KERNEL_AGREED = []  # [True] once the kernel's first window equalled the torch ops' sums
 
 
-def window_checksums(parts: list, fields: tuple, device, *, host: bool = False,
-                     interpret: bool = False) -> torch.Tensor:
+def window_checksums(parts: list, fields: tuple, device, *, host: bool = False, interpret: bool = False,
+                     graphs: "Graphs | None" = None) -> torch.Tensor:
     """int64 [N, CHECKED_FIELDS]: the checksums of every sample of a window's micro-batches, part
     after part (N: their samples); parts: per micro-batch (its buffers, one per `ByteField` of
     `fields`, or None for a field left out, and its SampleCounts [n]).
@@ -147,13 +148,14 @@ def window_checksums(parts: list, fields: tuple, device, *, host: bool = False,
     on a device, in pinned memory that a non-blocking copy fills behind the device's work (record
     an event on `device`'s current stream after the call and wait for it before reading them).
     `interpret`: the kernel on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 set
-    before triton is imported; tests).
+    before triton is imported; tests). `graphs`: with `host`, the caller's captured launches
+    (`Graphs`: the sums are then a view of its block, until its launch after next of that size).
 
     The kernel's first window in a process is also summed with torch ops and compared (one wait for
     the device, once): a kernel that disagrees (a compiler or GPU the kernel was never run on) is
     logged and replaced by the torch ops from then on, so the check never reports a mismatch that
     only its own kernel made."""
-    got = kernel_checksums(parts, fields, device, host=host, interpret=interpret)
+    got = kernel_checksums(parts, fields, device, host=host, interpret=interpret, graphs=graphs)
     if got is None:
         got = torch_checksums(parts, fields)
         return _to_host(got) if host else got
@@ -187,12 +189,16 @@ def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
 
 
 def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, interpret: bool = False,
-                     block: int = BLOCK, chunk: int = CHUNK) -> torch.Tensor | None:
+                     block: int = BLOCK, chunk: int = CHUNK, graphs: "Graphs | None" = None,
+                     grid: int | None = None) -> torch.Tensor | None:
     """`window_checksums` through the Triton kernel (one launch), or None where it does not apply:
     not a CUDA device (unless `interpret`: CPU tensors, Triton's interpreter; with TRITON_INTERPRET=1
     in the environment, `interpret` alone), triton missing, no buffer the kernel can read, or a
     kernel that failed to launch once (logged; torch ops from then on). block: lanes of a program
-    (a power of two); chunk: words per program (a multiple of block)."""
+    (a power of two); chunk: words per program (a multiple of block). graphs: with `host`, the
+    caller's captured launches (`Graphs`), replayed where one fits the window. grid: launch that
+    many programs, each taking every grid-th of the window's (interpreted; default one per
+    program)."""
     device = torch.device(device)
     if not interpret and (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return None  # (an interpreted kernel would read the table's device addresses on the host)
@@ -205,39 +211,129 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     readable = [[t is not None and _readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
     if not any(map(any, readable)):
         return None
-    # the input, then the sums' words zeroed: one pinned block, one copy to the device, and the sums
-    # copied back into its own words. Fresh each launch: the caching host allocator does not hand
-    # the block out again before the non-blocking copies that use it have completed
-    staged = []
-    _, programs, at = launch_block(parts, fields, readable, chunk, alloc=lambda size: staged.append(
-        torch.empty(size, dtype=torch.int64, pin_memory=not interpret)) or staged[0].numpy())
-    data = staged[0]
+    # the input, then the sums' words (the torch sums of the buffers the kernel does not read, else
+    # zero): one pinned block, one copy to the device, and the sums copied back into its own words.
+    # Fresh each launch, or a captured launch's own: the caching host allocator does not hand a
+    # fresh block out again before the non-blocking copies that use it have completed
+    staged, slot = [], None
+
+    def alloc(size):
+        nonlocal slot
+        if graphs is not None and host and not interpret:
+            slot = graphs.take(device, size)
+        staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not interpret) if slot is None else slot.host[:size])
+        return staged[0].numpy()
+
+    _, programs, at = launch_block(parts, fields, readable, chunk, alloc=alloc)
+    data, out_at = staged[0], at["out_at"]
+    rest = _unread_sums(parts, fields, readable, n)
+    if rest is not None:
+        data[out_at:].view(n, CHECKED_FIELDS).copy_(rest)
     consts = dict(SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, SAMPLES=at["samples"])
     try:
         if interpret:
             if programs:
-                kernel[(programs,)](data, **consts)
-        else:
-            with _current(device):  # Triton launches on the current device and stream
+                kernel[(min(programs, grid or programs),)](data, **consts)
+            return data[out_at:].view(n, CHECKED_FIELDS)
+        with _current(device):  # Triton launches on the current device and stream
+            if slot is not None and slot.replay(kernel, consts):
+                data = slot.host  # the captured copies, launch and copy back, in one call
+            else:
                 data = data.to(device, non_blocking=True)
                 if programs:
                     _launch(kernel, programs, data, consts)
-                    held = [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
-                    # every launch lets go of the holds that are done, one with nothing to hold too:
-                    # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
-                    _HELD.hold(held, torch.cuda.current_stream(device) if held else None)
+                if host:  # the whole block back into its own words: one copy, no slice of the device block
+                    data = staged[0].copy_(data, non_blocking=True)
+            if programs:
+                held = [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
+                # every launch lets go of the holds that are done, one with nothing to hold too:
+                # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
+                _HELD.hold(held, torch.cuda.current_stream(device) if held else None)
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
         _KERNEL[0] = None
         log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "
                     "ops from now on", type(e).__name__, e)
         return None
-    out_at = at["out_at"]
-    rest = _unread_sums(parts, fields, readable, n)
-    if rest is not None:
-        data[out_at:].view(n, CHECKED_FIELDS).add_(rest if interpret else rest.pin_memory().to(device, non_blocking=True))
-    if host and not interpret:  # the whole block back into its own words: one copy, no slice of the device block
-        data = staged[0].copy_(data, non_blocking=True)
-    return data[out_at:].view(n, CHECKED_FIELDS)
+    return data[out_at:out_at + n * CHECKED_FIELDS].view(n, CHECKED_FIELDS)
+
+
+class Graphs:
+    """One caller's captured checksum launches on CUDA (a round keeps one): per device and block
+    size (a power of two, at least a page), two pinned blocks, each with a device block and a CUDA
+    graph that copies the pinned block to the device, runs the kernel over a fixed grid (its
+    programs take every grid-th of the window's) and copies the block back. A launch through one
+    is a single host call instead of three, and nothing is allocated. A block's graph is captured
+    at its first launch, which runs uncaptured.
+
+    The two blocks of a size are taken in turn, so a launch's sums (a view of its block) stay as
+    they are until the launch after next of that size: the caller reads them before (the round
+    reads a window's sums at the start of the next window, and a window launches at most twice).
+    A graph that cannot be captured (logged once) leaves the uncaptured launches to every caller
+    from then on."""
+
+    def __init__(self):
+        self._slots = {}  # (device index, words) -> [_Captured, _Captured]
+        self._turn = {}
+
+    def take(self, device: torch.device, size: int) -> "_Captured | None":
+        """The next captured block of at least `size` words on `device` (None once capturing has failed)."""
+        if not _CAPTURE[0]:
+            return None
+        key = (device.index, max(512, 1 << (size - 1).bit_length()))
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = [_Captured(*key), _Captured(*key)]
+        turn = self._turn.get(key, 0)
+        self._turn[key] = 1 - turn
+        return slots[turn]
+
+
+_CAPTURE = [True]  # [False] once a graph could not be captured (logged once)
+
+
+class _Captured:
+    """A pinned block, its device block and the graph of a launch over them (`Graphs`)."""
+
+    def __init__(self, index: int, words: int):
+        self.device, self.graph, self.consts = torch.device("cuda", index), None, None
+        self._memory = mmap.mmap(-1, 8 * words)  # whole pages: registered with CUDA as they are
+        self.host = torch.frombuffer(self._memory, dtype=torch.int64)
+        self.device_block = None
+
+    def replay(self, kernel, consts: dict) -> bool:
+        """Launch the block through the graph, captured first when there is none (then the launch
+        itself is not run: False, the caller launches); False too when the graph was captured with
+        other constants."""
+        if self.graph is None:
+            self._capture(kernel, consts)
+            return False
+        if consts != self.consts:
+            return False
+        self.graph.replay()
+        return True
+
+    def _capture(self, kernel, consts: dict) -> None:
+        try:
+            if int(torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.host.nbytes, 0)):
+                raise RuntimeError("cudaHostRegister failed")
+            self.device_block = torch.empty(len(self.host), dtype=torch.int64, device=self.device)
+            grid = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count
+            compiled = _compiled(kernel, self.device_block, consts, grid)
+            compiled._init_handles()  # the kernel's module loaded before the capture, not in it
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.device_block.copy_(self.host, non_blocking=True)
+                    compiled[(grid, 1, 1)](self.device_block, *consts.values())
+                    self.host.copy_(self.device_block, non_blocking=True)
+                finally:
+                    graph.capture_end()
+            self.graph, self.consts = graph, dict(consts)
+        except Exception as e:  # the uncaptured launches serve every caller from now on
+            _CAPTURE[0] = False
+            log.warning("reorder: the self-check's checksum launch could not be captured in a CUDA graph (%s: %s); "
+                        "it launches uncaptured from now on", type(e).__name__, e)
 
 
 def _current(device: torch.device):
@@ -257,16 +353,21 @@ def _kernel():
 
 
 def _launch(kernel, programs: int, data: torch.Tensor, consts: dict) -> None:
-    """Launch `kernel` over `programs` programs on the current device and stream. The kernel is
-    compiled once per device and constants (`warmup`: Triton binds and specializes the arguments,
-    compiles, and returns the compiled kernel); every launch goes through the compiled kernel's own
-    launcher, without the JIT's binding and cache look-up of each call (host time a launch). The
-    kernel's first window in the process is compared with the torch ops through this same path."""
+    """Launch `kernel` over `programs` programs on the current device and stream, through its
+    compiled launcher (`_compiled`). The kernel's first window in the process is compared with
+    the torch ops through this same path."""
+    _compiled(kernel, data, consts, programs)[(programs, 1, 1)](data, *consts.values())
+
+
+def _compiled(kernel, data: torch.Tensor, consts: dict, programs: int):
+    """`kernel` compiled for data's device and `consts`, once (`warmup`: Triton binds and
+    specializes the arguments, compiles, and returns the compiled kernel). Its own launcher binds
+    nothing again: no JIT binding and cache look-up at each launch (host time a launch)."""
     key = (kernel, data.device.index, *consts.values())
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = _COMPILED[key] = kernel.warmup(data, **consts, grid=(programs,), num_warps=4)
-    compiled[(programs, 1, 1)](data, *consts.values())
+    return compiled
 
 
 _COMPILED = {}  # (kernel, device index, constants) -> the compiled kernel

@@ -95,10 +95,20 @@ def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr):
 
 @triton.jit
 def checksum_window(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
-    """One program per CHUNK words of a buffer: sum its runs (the parts of samples' pieces it
-    holds), BLOCK lanes at a time, and add each run's sum to its sample's output word. SAMPLES:
-    a power of two, at least every part's samples."""
-    pid = tl.program_id(0).to(tl.int64)
+    """The block's programs, one per CHUNK words of a buffer, each summing its runs (the parts of
+    samples' pieces it holds), BLOCK lanes at a time, and adding each run's sum to its sample's
+    output word. Launched program k takes programs k, k + grid, k + 2 grid, ... below the block's
+    number of programs: one each when the grid is that number, and a grid fixed whatever the
+    window (a captured CUDA graph's) covers them all. SAMPLES: a power of two, at least every
+    part's samples."""
+    total = tl.load(block + tl.load(block + 2) + tl.load(block))  # the last buffer's end: every program
+    for pid in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
+        _program(block, pid, SLOTS, CHUNK, BLOCK, SAMPLES)
+
+
+@triton.jit
+def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
+    """Program `pid` of the block: find its buffer, then sum its runs into their samples' words."""
     buffers = tl.load(block)
     fields = tl.load(block + 1)
     first = block + tl.load(block + 2)  # each buffer's first program

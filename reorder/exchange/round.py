@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reorder.batch.checksum import window_checksums
+from reorder.batch.checksum import Graphs, window_checksums
 from reorder.batch.counting import count_samples
 from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, read_lists, resolved, unit_bytes
 from reorder.batch.layout import (LayoutError, describe, field_at, first_difference, grid_thw_of, rebuild, unify,
@@ -155,6 +155,7 @@ class WindowRound:
         self._sum_words = 2 * CHECKED_FIELDS if verify else 0  # per sample: the sender's sums, the receiver's
         self._windows = 0  # windows read so far (planned or skipped): the self-check's schedule
         self._check = None  # the last checked window's sums, sent in the next window frame
+        self._graphs = Graphs()  # the checksum launches, captured (on CUDA): their sums are read a window later
         self.agreed = grid.dp == 1  # the DP group's config frames matched (nothing to agree on alone)
         self._paths = None  # per-sample field paths of the last planned window (moved in skipped windows)
         self._executors = {}
@@ -487,7 +488,8 @@ class WindowRound:
         parts = self._sender_parts(now, held=True)
         if parts is None:
             return None
-        return window_checksums(parts, now.fields, now.placement.target, host=True).view(len(parts), -1, CHECKED_FIELDS)
+        return window_checksums(parts, now.fields, now.placement.target, host=True,
+                                graphs=self._graphs).view(len(parts), -1, CHECKED_FIELDS)
 
     def _sender_parts(self, now: _Pending, *, held: bool) -> list | None:
         """Per slot (its sources whose placement `held` is `held`, None for the others; its
@@ -512,7 +514,8 @@ class WindowRound:
             else:
                 parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
         late = self._sender_parts(now, held=False) or []
-        sums = window_checksums(parts + late, now.fields, dev, host=True).view(len(parts) + len(late), -1, CHECKED_FIELDS)
+        sums = window_checksums(parts + late, now.fields, dev, host=True,
+                                graphs=self._graphs).view(len(parts) + len(late), -1, CHECKED_FIELDS)
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
         return _Check(window=self._windows - 1, orders=now.plan.orders[:len(parts)], layout=now.layout,

@@ -357,6 +357,57 @@ def test_a_buffer_left_out_adds_nothing(window, mask):
         assert nothing.shape == (n, CHECKED_FIELDS) and not nothing.any()
 
 
+def test_captured_blocks_are_taken_in_turn_per_device_and_size(monkeypatch):
+    """`Graphs.take`: per device and block size (a power of two words, at least a page), two blocks
+    taken in turn, so a launch's sums stay until the launch after next of that size; none once
+    capturing has failed."""
+    monkeypatch.setattr(cs, "_CAPTURE", [True])
+    graphs, d0, d1 = cs.Graphs(), torch.device("cuda", 0), torch.device("cuda", 1)
+    a, b, c = graphs.take(d0, 600), graphs.take(d0, 1000), graphs.take(d0, 1024)
+    assert a is not b and c is a and graphs.take(d0, 513) is b
+    assert len(a.host) == 1024 and a.host.dtype == torch.int64 and a.device == d0 and a.graph is None
+    assert [len(graphs.take(d0, n).host) for n in (1, 512, 1025)] == [512, 512, 2048]
+    other = graphs.take(d1, 600)
+    assert other is not a and other is not b and other.device == d1
+    assert a.host.data_ptr() % 4096 == 0  # whole pages: registered with CUDA as they are
+    monkeypatch.setattr(cs, "_CAPTURE", [False])
+    assert graphs.take(d0, 600) is None
+
+
+def test_a_captured_launch_is_replayed_only_with_its_constants(monkeypatch):
+    """A block's first launch captures its graph and runs uncaptured (False); later launches with
+    the same constants replay it (True), with other constants run uncaptured."""
+    slot, captured = cs._Captured(0, 512), []
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            self.replays += 1
+
+    def capture(kernel, consts):
+        captured.append((kernel, consts))
+        slot.graph, slot.consts = Graph(), dict(consts)
+
+    monkeypatch.setattr(slot, "_capture", capture)
+    consts = dict(SLOTS=CHECKED_FIELDS, CHUNK=16, BLOCK=4, SAMPLES=16)
+    assert slot.replay("kernel", consts) is False and captured == [("kernel", consts)] and slot.graph.replays == 0
+    assert slot.replay("kernel", dict(consts)) is True and slot.graph.replays == 1
+    assert slot.replay("kernel", dict(consts, SAMPLES=32)) is False and slot.graph.replays == 1 and len(captured) == 1
+
+
+def test_a_graph_that_cannot_be_captured_leaves_the_uncaptured_launches(monkeypatch, caplog):
+    """A failed capture (here: no CUDA) is logged once and turns capturing off for every caller: the
+    launches run uncaptured from then on."""
+    monkeypatch.setattr(cs, "_CAPTURE", [True])
+    slot = cs.Graphs().take(torch.device("cuda", 0), 700)
+    with caplog.at_level("WARNING", logger="reorder"):
+        assert slot.replay(None, dict(SLOTS=CHECKED_FIELDS, CHUNK=16, BLOCK=4, SAMPLES=16)) is False
+    assert slot.graph is None and cs._CAPTURE == [False] and cs.Graphs().take(torch.device("cuda", 0), 700) is None
+    assert len(caplog.records) == 1 and caplog.records[0].message.startswith(
+        "reorder: the self-check's checksum launch could not be captured in a CUDA graph (")
+
+
 @pytest.fixture
 def plain_kernel(monkeypatch):
     kernel = PlainWindow()

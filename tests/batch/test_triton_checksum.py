@@ -96,6 +96,8 @@ def check_kernel_interpreted():
         want = cs.torch_checksums(parts, fields)
         assert got.dtype == torch.int64 and got.shape == want.shape
         assert torch.equal(got, want), (got - want).nonzero()
+        fewer = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk, grid=1 + pick % 3)
+        assert torch.equal(fewer, want)  # a grid smaller than the programs: each takes every grid-th
         where = [(p, f) for p, (bufs, _) in enumerate(parts) for f, t in enumerate(bufs) if t.numel()]
         if not where:
             return
@@ -304,7 +306,7 @@ def test_a_kernel_whose_first_window_differs_from_the_torch_ops_is_replaced(monk
     want = cs.torch_checksums(parts, fields)
     wrong = []
 
-    def off_by_one(parts_, fields_, device, *, host=False, interpret=False):
+    def off_by_one(parts_, fields_, device, *, host=False, interpret=False, graphs=None):
         wrong.append(device)
         return want + 1
 
