@@ -289,6 +289,7 @@ class Graphs:
 
 
 _CAPTURE = [True]  # [False] once a graph could not be captured (logged once)
+_REGISTERED = []  # (host memory, device block) of every block registered with CUDA: kept to the end of the process
 
 
 class _Captured:
@@ -314,9 +315,16 @@ class _Captured:
 
     def _capture(self, kernel, consts: dict) -> None:
         try:
-            if int(torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.host.nbytes, 0)):
-                raise RuntimeError("cudaHostRegister failed")
+            cudart = torch.cuda.cudart()
+            error = int(cudart.cudaHostRegister(self.host.data_ptr(), self.host.nbytes, 0))
+            if error:
+                cudart.cudaGetLastError()  # or the next CUDA call of anyone would raise it
+                raise RuntimeError(f"cudaHostRegister failed with cudaError {error}")
             self.device_block = torch.empty(len(self.host), dtype=torch.int64, device=self.device)
+            # kept to the end of the process, even when the caller goes: registered pages must never be
+            # unmapped (the driver keeps mapping the address to them, and a later mapping there would
+            # reach the device through the old pages), and a replay still queued writes both blocks
+            _REGISTERED.append((self._memory, self.device_block))
             grid = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count
             compiled = _compiled(kernel, self.device_block, consts, grid)
             compiled._init_handles()  # the kernel's module loaded before the capture, not in it
