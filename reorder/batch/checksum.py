@@ -234,21 +234,21 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
         if interpret:
             if programs:
                 kernel[(min(programs, grid or programs),)](data, **consts)
-            return data[out_at:].view(n, CHECKED_FIELDS)
-        with _current(device):  # Triton launches on the current device and stream
-            if slot is not None and slot.replay(kernel, consts):
-                data = slot.host  # the captured copies, launch and copy back, in one call
-            else:
-                data = data.to(device, non_blocking=True)
+        else:
+            with _current(device):  # Triton launches on the current device and stream
+                if slot is not None and slot.replay(kernel, consts):
+                    data = slot.host  # the captured copies, launch and copy back, in one call
+                else:
+                    data = data.to(device, non_blocking=True)
+                    if programs:
+                        _launch(kernel, programs, data, consts)
+                    if host:  # the whole block back into its own words: one copy, no slice of the device block
+                        data = staged[0].copy_(data, non_blocking=True)
                 if programs:
-                    _launch(kernel, programs, data, consts)
-                if host:  # the whole block back into its own words: one copy, no slice of the device block
-                    data = staged[0].copy_(data, non_blocking=True)
-            if programs:
-                held = [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
-                # every launch lets go of the holds that are done, one with nothing to hold too:
-                # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
-                _HELD.hold(held, torch.cuda.current_stream(device) if held else None)
+                    held = [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
+                    # every launch lets go of the holds that are done, one with nothing to hold too:
+                    # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
+                    _HELD.hold(held, torch.cuda.current_stream(device) if held else None)
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
         _KERNEL[0] = None
         log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "

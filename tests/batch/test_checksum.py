@@ -397,15 +397,63 @@ def test_a_captured_launch_is_replayed_only_with_its_constants(monkeypatch):
 
 
 def test_a_graph_that_cannot_be_captured_leaves_the_uncaptured_launches(monkeypatch, caplog):
-    """A failed capture (here: no CUDA) is logged once and turns capturing off for every caller: the
-    launches run uncaptured from then on."""
+    """A failed capture (here: CUDA refuses to register the block) clears CUDA's error, is logged
+    once, and turns capturing off for every caller: the launches run uncaptured from then on."""
+    calls = []
+
+    class Cudart:  # a CUDA runtime that refuses the registration
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+
+        def cudaGetLastError(self):
+            calls.append(("last error",))
+            return 712
+
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
     monkeypatch.setattr(cs, "_CAPTURE", [True])
     slot = cs.Graphs().take(torch.device("cuda", 0), 700)
     with caplog.at_level("WARNING", logger="reorder"):
         assert slot.replay(None, dict(SLOTS=CHECKED_FIELDS, CHUNK=16, BLOCK=4, SAMPLES=16)) is False
+    assert calls == [("register", slot.host.data_ptr(), 8 * 1024, 0), ("last error",)]
     assert slot.graph is None and cs._CAPTURE == [False] and cs.Graphs().take(torch.device("cuda", 0), 700) is None
-    assert len(caplog.records) == 1 and caplog.records[0].message.startswith(
-        "reorder: the self-check's checksum launch could not be captured in a CUDA graph (")
+    assert [r.message for r in caplog.records] == [
+        "reorder: the self-check's checksum launch could not be captured in a CUDA graph (RuntimeError: "
+        "cudaHostRegister failed with cudaError 712); it launches uncaptured from now on"]
+
+
+def test_interpreted_or_summed_on_the_device_nothing_is_taken_from_the_graphs(monkeypatch):
+    """Only a CUDA launch whose sums go to the host goes through the caller's captured blocks:
+    interpreted (with or without `host`) none is taken."""
+    taken = []
+
+    class Graphs:
+        def take(self, device, size):
+            taken.append(size)
+            return None
+
+    monkeypatch.setattr(cs, "_KERNEL", [PlainWindow()])
+    counts = SampleCounts.of(list_bytes=np.array([3, 5]))
+    parts = [([torch.arange(8, dtype=torch.uint8)], counts)]
+    want = cs.torch_checksums(parts, (ByteField("list", 1, 1),))
+    for host in (True, False):
+        got = cs.kernel_checksums(parts, (ByteField("list", 1, 1),), "cpu", interpret=True, host=host, graphs=Graphs())
+        assert torch.equal(got, want)
+    assert taken == []
+
+
+def test_only_unread_buffers_are_summed_by_torch_ops():
+    """`_unread_sums`: None when every buffer is read by the kernel or left out; else the torch sums
+    of the others, zero where a buffer is read or left out."""
+    fields = (ByteField("list", 1, 1), ByteField("list", 1, 1))
+    counts = SampleCounts.of(list_bytes=np.array([3, 5]))
+    a, b = torch.arange(8, dtype=torch.uint8), torch.arange(8, 16, dtype=torch.uint8)
+    assert cs._unread_sums([([a, None], counts)], fields, [[True, False]], 2) is None
+    assert cs._unread_sums([([a, b], counts)], fields, [[True, True]], 2) is None
+    got = cs._unread_sums([([a, None], counts)], fields, [[False, False]], 2)
+    assert torch.equal(got, cs.checksums([a, None], fields, counts))
+    got = cs._unread_sums([([a, b], counts)], fields, [[True, False]], 2)
+    assert torch.equal(got, cs.checksums([None, b], fields, counts))
 
 
 @pytest.fixture
@@ -563,6 +611,18 @@ def test_each_buffer_is_cut_into_programs_of_chunk_words(chunk):
     assert rows[:, 1:].tolist() == [[chunk - 1, 0, 1], [0, 1, 2], [3 * chunk, 3, 3], [5 * chunk, 6, 4]]
     assert rows[:, 0].tolist() == [t.data_ptr() for [t], _ in parts]
     assert at["samples"] == 16
+
+
+def test_a_buffer_left_out_takes_no_program_and_no_address():
+    """A buffer given as None (summed elsewhere): its row holds no address and no bytes, and it
+    takes no program; the part's other buffers are laid out as ever."""
+    counts = SampleCounts.of(list_bytes=np.array([3, 5]))
+    data = torch.arange(8, dtype=torch.uint8)
+    fields = (ByteField("list", 1, 1), ByteField("list", 1, 1))
+    block, programs, at = cs.launch_block([([None, data], counts)], fields, [[False, True]], 4)
+    rows = block[at["bufs_at"]:at["fields_at"]].reshape(2, 4)
+    assert rows.tolist() == [[0, 0, 0, 2], [data.data_ptr(), 8, 0, 2]]
+    assert programs == 2 and block[at["programs_at"]:at["bufs_at"]].tolist() == [0, 0, 2]
 
 
 def test_a_buffer_s_last_partial_word_takes_no_program():
