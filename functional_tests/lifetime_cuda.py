@@ -20,8 +20,9 @@ dp = world size (ranks beyond the GPU count share them: bench.common.rank_device
   python functional_tests/lifetime_cuda.py --defect   # the self-check must catch the defect put back
 
 --defect puts the lifetime defect back (the Triton executors made from then on hold nothing, and each
-copy launch is queued behind one more busy kernel, so it runs after the self-check's own read of the
-same sources and that reader's holder has let them go; the self-check's holder is untouched) and runs
+copy launch waits for the device, then is queued behind one more busy kernel, so it runs after the
+self-check's own read of the same sources has completed and that reader's holder, at its next launch,
+has let them go; the self-check's holder is untouched) and runs
 the exchanger cases with the runtime self-check on
 every window (verify=1): the check passes when the self-check raised its ReorderError in at least
 one case, and every case it did not stop served its micro-batches byte for byte (no corruption
@@ -135,8 +136,9 @@ def defect_caught(args, groups, dev, rank: int, world: int):
     executors.KeepAlive = HoldsNothing  # executors made from now on; the self-check's own holder is kept
     run = executors.TritonExecutor.run
 
-    def late(self, *a, **k):  # the copy runs late after the self-check's own read of the same sources too,
-        torch.cuda._sleep(args.sleep)  # whose holder then no longer keeps them (it would hide the defect)
+    def late(self, *a, **k):  # the copy runs late, after the self-check's own read of the same sources has
+        torch.cuda.current_stream().synchronize()  # completed (a host slower than its device), so the check's
+        torch.cuda._sleep(args.sleep)  # holder lets go of them at its next launch, before the copy reads them
         return run(self, *a, **k)
 
     executors.TritonExecutor.run = late

@@ -417,7 +417,8 @@ def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=N
     kernel reads it when `readable[part][field]` (a buffer it does not read may be None), in
     programs of `chunk` words over its bytes. The host writes what it holds, in a fixed number of
     array operations whatever the window's micro-batches and samples (the field rows made once per
-    layout); the device cuts the work. The output words (zero) come last. `alloc(size)` gives the int64 array to fill (default np.empty). parts: at least one."""
+    layout); the device cuts the work. The output words (zero) come last. `alloc(size)` gives the
+    int64 array to fill (default np.empty). parts: at least one."""
     rows, widths = _field_constants(tuple(fields))
     bufs, first, row0, most = [], [0], 0, 16  # SAMPLES at least 16: one compiled variant for most windows
     for p, ((held, counts), r) in enumerate(zip(parts, readable)):

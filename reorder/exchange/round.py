@@ -497,8 +497,8 @@ class WindowRound:
         nf, which = len(now.fields), now.placement.held
         if held not in which:
             return None
-        table = now.window.counts.table
-        return [([t if h == held else None for t, h in zip(now.sources[s * nf:(s + 1) * nf], which[s * nf:(s + 1) * nf])],
+        table, sources = now.window.counts.table, now.sources
+        return [([t if h == held else None for t, h in zip(sources[s * nf:(s + 1) * nf], which[s * nf:(s + 1) * nf])],
                  SampleCounts(table[s])) for s in range(len(table))]
 
     def _checked(self, now: _Pending) -> "_Check":
