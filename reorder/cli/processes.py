@@ -7,7 +7,8 @@ Rank 0's return value comes back to the caller. Any child failure (an exception,
 overall timeout) ends every child and raises `ProcessesFailed` carrying one clean line per failed
 rank ("rank 3: InvariantViolation: ...") instead of a wall of tracebacks. A rendezvous that drops
 before any rank has joined the group (Gloo's "Connection closed by peer" when a peer's connection
-breaks under load) is started again with fresh processes, up to RENDEZVOUS_ATTEMPTS times in all.
+breaks under load) is started again with fresh processes, up to RENDEZVOUS_ATTEMPTS times in all;
+a rank has joined once every rank's connections are up (a barrier after the rendezvous).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def _child(rank, fn, world, workdir, args, pg_timeout):
     try:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
+        # no rank runs the function before every rank has joined: one done early would close its
+        # connections while a slower rank still sets up its own, and that rank's failure would be
+        # taken for the function's
+        dist.barrier()
     except BaseException as e:
         _record(workdir, rank, e)
         _mark(workdir, f"rendezvous.{rank}")

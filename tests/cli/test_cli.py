@@ -292,6 +292,38 @@ def _flaky_rendezvous(marks: str, fails: int):
     return init
 
 
+def _late_drop(marks: str):
+    """A stand-in for init_process_group with which rank 1, at the first launch only, joins the group,
+    then loses its connections and raises, as Gloo does when a peer that already joined finished its
+    work and closed them while this rank was still setting up its own."""
+    import torch.distributed as dist
+
+    real = dist.init_process_group
+
+    def init(*a, rank, **k):
+        real(*a, rank=rank, **k)
+        if rank == 1 and not os.listdir(marks):
+            open(os.path.join(marks, "dropped"), "w").close()
+            dist.destroy_process_group()
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    return init
+
+
+def test_no_rank_runs_the_function_before_every_rank_has_joined(tmp_path, monkeypatch):
+    """A rank whose rendezvous fails after another rank's succeeded (that rank, done with a short
+    function, closed its connections) is a dropped rendezvous too: no rank runs the function before
+    every rank has joined, so the launch is started again and succeeds."""
+    import torch.distributed as dist
+
+    from reorder.cli.processes import run_processes
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setattr(dist, "init_process_group", _late_drop(str(marks)))
+    assert run_processes(lambda rank, world: (rank, world), 2, timeout=60) == (0, 2)
+    assert os.listdir(marks) == ["dropped"]
+
+
 def _count_calls(rank, world, calls):
     with open(os.path.join(calls, f"{rank}.{time.monotonic_ns()}"), "w"):
         pass
