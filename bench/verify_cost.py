@@ -153,6 +153,7 @@ def main():
     impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
     device = {name: [] for name in ex}
+    kept = {name: 0 for name in ex}  # slots kept as they are in windows that move samples (the check sums them once)
     with Parts() as parts:
         try:
             for k in range(args.windows + args.warmup):
@@ -165,11 +166,14 @@ def main():
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record()
                     t0 = time.perf_counter()
-                    e.exchange(b)
+                    _, report = e.exchange(b)
                     t1 = time.perf_counter()
                     if cuda:
                         end.record()
                         torch.cuda.synchronize(dev)
+                    natural = (report.orders == np.arange(args.micro_batch)).all(axis=1)
+                    if not natural.all():  # a window that moves samples: its natural slots are kept as they are
+                        kept[name] += int(natural.sum())
                     if k >= args.warmup:
                         host[name].append((t1 - t0) * 1e3)
                         if cuda:
@@ -185,6 +189,7 @@ def main():
         out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
                               device_ratio=None if d is None else d / off_d, checksum_calls=impl[name].calls,
                               kernel_calls=impl[name].kernel, checksum_samples=impl[name].samples,
+                              kept_slots=kept[name],
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)
     print(f"micro-batches: {inputs}{', copied early' if args.early_copy else ''}, {args.window} per window of "
@@ -206,7 +211,8 @@ def main():
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
                captured=bool(cuda and checksum._CAPTURE[0]),
                inputs=inputs, early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch,
-               seq_len=args.seq_len, features=args.features, mix=args.mix, windows=args.windows, paths=paths, settings=out_rows)
+               seq_len=args.seq_len, features=args.features, mix=args.mix, windows=args.windows, paths=paths,
+               settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

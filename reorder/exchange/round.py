@@ -505,21 +505,28 @@ class WindowRound:
         """The checked window's sums, both sides, on their way to the host (read at the next `read`,
         without a wait of their own by then: the device has long passed them): what this rank
         assembled, what it read of the sources on the device, and `now.sent` (the held ones), all
-        but `now.sent` summed in one call (on CUDA one kernel launch)."""
-        moves, dev, nf = now.moves, now.placement.target, len(now.fields)
-        parts = []
+        but `now.sent` summed in one call (on CUDA one kernel launch). A kept slot with no held
+        source is summed once: what it hands out are its sources, which the same call reads as the
+        sender's, so its assembled sums are those."""
+        moves, dev, nf, held = now.moves, now.placement.target, len(now.fields), now.placement.held
+        late = self._sender_parts(now, held=False) or []
+        parts, rows = [], []  # rows: per slot, the row of its assembled sums in the call's parts
         for s in range(len(now.batches)):
-            if moves.kept[s]:
+            if moves.kept[s] and not any(held[s * nf:(s + 1) * nf]):
+                rows.append(None)  # its sources' row among the late parts, once their start is known
+            elif moves.kept[s]:
+                rows.append(len(parts))
                 parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
             else:
+                rows.append(len(parts))
                 parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
-        late = self._sender_parts(now, held=False) or []
+        rows = [len(parts) + s if r is None else r for s, r in enumerate(rows)]
         sums = window_checksums(parts + late, now.fields, dev, host=True,
                                 graphs=self._graphs).view(len(parts) + len(late), -1, CHECKED_FIELDS)
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
-        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(parts)], layout=now.layout,
-                      sums=(now.sent, sums[len(parts):] if late else None, sums[:len(parts)]),
+        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], layout=now.layout,
+                      sums=(now.sent, sums[len(parts):] if late else None, sums), rows=rows,
                       event=_recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
@@ -529,9 +536,9 @@ class WindowRound:
             return None
         if self._check.event is not None:
             self._check.event.synchronize()
-        held, late, got = (None if t is None else t.numpy() for t in self._check.sums)
+        held, late, every = (None if t is None else t.numpy() for t in self._check.sums)
         sent = late if held is None else held if late is None else held + late  # int64 arrays wrap, as the sums do
-        return np.concatenate([sent, got], axis=-1)
+        return np.concatenate([sent, every[self._check.rows]], axis=-1)
 
     def _compared(self, frames: np.ndarray) -> str | None:
         """Every rank's sums of the last checked window, from the gathered frames: every rank compares
@@ -598,15 +605,17 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
 @dataclass
 class _Check:
     """A checked window whose sums wait for the next window frame: sums (the sender's of its held
-    sources and of its other sources, either None when it has none, and the receiver's; host
-    tensors [W, B/dp, CHECKED_FIELDS]; the sender's are the first two added), the event after which
-    they are readable (None when no device wrote them), the window's canonical orders [W, B] and
-    its layout (the field names of an error)."""
+    sources and of its other sources, either None when it has none, then every part of the call
+    that summed the others; host tensors [parts, B/dp, CHECKED_FIELDS]; the sender's are the first
+    two added), rows (per slot, the part holding its assembled sums), the event after which they
+    are readable (None when no device wrote them), the window's canonical orders [W, B] and its
+    layout (the field names of an error)."""
 
     window: int
     orders: np.ndarray
     layout: object
     sums: tuple
+    rows: list
     event: object
 
 

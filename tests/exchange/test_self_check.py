@@ -348,6 +348,47 @@ def test_a_fault_is_caught_whether_its_source_was_summed_early_or_late(monkeypat
     assert len({str(e) for e in errors}) == 1
 
 
+@pytest.mark.parametrize("fault", [None, "flip"])
+def test_a_kept_slot_is_summed_once_and_still_compared(monkeypatch, fault):
+    """A slot this rank keeps as it is (here: gated, on every rank), with no held source, hands out
+    its sources: the call after the assembly reads them once, as the sender's, and its assembled
+    sums are those. The other slot is summed as assembled; a correct window passes, a byte flipped
+    in the moved slot is caught on every rank."""
+    from reorder.exchange import round as round_module
+    calls = {}  # rank (its thread) -> per checksum call, its parts' buffers
+    sums = round_module.window_checksums
+
+    def recording_sums(parts, fields, device, **kw):
+        calls.setdefault(threading.get_ident(), []).append([bufs for bufs, _ in parts])
+        return sums(parts, fields, device, **kw)
+
+    monkeypatch.setattr(round_module, "window_checksums", recording_sums)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=1, window_size=2, min_gain=0.1)
+        if fault and r == 1:
+            ex.round._executors[torch.device("cpu")] = Faulty(fault)
+        rng = np.random.default_rng(4)
+        gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
+        _, report = ex.exchange([syn.rank_share(g, 2, r) for g in gs])
+        kept = ex.round._check.rows
+        ex.exchange([])
+        return report.gated_slots, report.moved_samples, kept
+
+    got = run_emulated(2, fn, timeout=30, return_exceptions=True)
+    if fault:
+        assert all(isinstance(e, ReorderError) and "self-check failed" in str(e) for e in got), got
+        assert len({str(e) for e in got}) == 1
+        return
+    assert [(g, m) for g, m, _ in got] == [(1, 2), (1, 2)]  # one slot gated (kept), one moving samples
+    for (_, _, rows), (call,) in zip(got, calls.values()):
+        assert len(call) == 3  # the moved slot as assembled, then both slots' sources
+        kept = next(s for s, row in enumerate(rows) if row != 0)
+        assert rows[kept] == 1 + kept and rows[1 - kept] == 0
+        assert all(t is not None for bufs in call for t in bufs)
+
+
 def test_the_sender_sums_the_very_buffers_the_executor_reads(monkeypatch):
     """A checked window makes each slot's buffers once: the sender's checksums (the held sources in
     their own launch, the others with the assembled ones) read the same tensors that the executor's
