@@ -335,7 +335,8 @@ def test_a_buffer_left_out_adds_nothing(window, mask):
     others left out add up to the documented sums of all (the round sums a slot's sources in two
     such calls), on the torch ops and through one launch; everything left out: zeros."""
     fields, parts = window
-    out = {(i, f) for i, (bufs, _, _, _) in enumerate(parts) for f in range(len(bufs)) if mask >> ((i * 7 + f) % 20) & 1}
+    out = {(i, f) for i, (bufs, _, _, _) in enumerate(parts) for f in range(len(bufs))
+           if mask >> ((i * 7 + f) % 20) & 1}
 
     def keeping(left_out: bool) -> list:
         return [([None if ((i, f) in out) == left_out else t for f, t in enumerate(bufs)], c)
