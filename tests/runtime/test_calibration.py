@@ -87,7 +87,7 @@ def test_fit_recovers_noise_free_weights(weights, intercept, seed):
     x = _features(40, seed)
     true = np.array(weights)
     y = intercept + x @ true
-    if not y.std() > 0:
+    if not np.ptp(y) > 0:  # a constant time (every weight zero) leaves R^2 undefined; its std is not always 0
         return
     fit = fit_rows(x, y)
     got = np.array([fit.weights[f] for f in FEATURES])
