@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import mmap
 import os
+import struct
 
 import numpy as np
 import torch
@@ -131,10 +133,11 @@ def _words(t: torch.Tensor, width: int) -> torch.Tensor:
 log = logging.getLogger("reorder")
 _KERNEL = []  # [the Triton checksum kernel, or None where triton does not import or a launch failed]
 _KERNEL_AGREED = []  # [True] once the kernel's first window equalled the torch ops' sums
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter, as triton reads it when imported
 
 
 def window_checksums(parts: list, fields: tuple, device, *, host: bool = False, interpret: bool = False,
-                     graphs: "Graphs | None" = None) -> torch.Tensor:
+                     graphs: "Graphs | None" = None, placed: bool = False) -> torch.Tensor | np.ndarray:
     """int64 [N, CHECKED_FIELDS]: the checksums of every sample of a window's micro-batches, part
     after part (N: their samples); parts: per micro-batch (its buffers, one per `ByteField` of
     `fields`, or None for a field left out, and its SampleCounts [n]).
@@ -144,39 +147,42 @@ def window_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     where they live (e.g. the pickled lists of host micro-batches) and added in; the result is on
     `device`, and nothing waits for the device. Elsewhere, or once a launch has raised (logged
     once), torch ops on each part (`checksums`): the result is on `gathering_device` of the buffers. Either
-    way bit for bit the same sums. `host`: the sums in host memory instead; where they were summed
-    on a device, in pinned memory that a non-blocking copy fills behind the device's work (record
-    an event on `device`'s current stream after the call and wait for it before reading them).
+    way bit for bit the same sums. `host`: the sums in host memory instead, as a numpy array; where
+    they were summed on a device, in pinned memory that a non-blocking copy fills behind the
+    device's work (record an event on `device`'s current stream after the call and wait for it
+    before reading them).
     `interpret`: the kernel on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 set
     before triton is imported; tests). `graphs`: with `host`, the caller's captured launches
     (`Graphs`: the sums are then a view of its block, until its launch after next of that size).
+    `placed`: every buffer is one the kernel reads by address (`kernel_checksums`).
 
     The kernel's first window in a process is also summed with torch ops and compared (one wait for
     the device, once): a kernel that disagrees (a compiler or GPU the kernel was never run on) is
     logged and replaced by the torch ops from then on, so the check never reports a mismatch that
     only its own kernel made."""
-    got = kernel_checksums(parts, fields, device, host=host, interpret=interpret, graphs=graphs)
+    got = kernel_checksums(parts, fields, device, host=host, interpret=interpret, graphs=graphs, placed=placed)
     if got is None:
         got = torch_checksums(parts, fields)
         return _to_host(got) if host else got
     if not _KERNEL_AGREED:
         if host and torch.device(device).type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the sums' copy to the host has landed
-        want = torch_checksums(parts, fields).to(got.device)
-        if not torch.equal(got, want):
+        want = torch_checksums(parts, fields)
+        if not (np.array_equal(got, want.cpu().numpy()) if host else torch.equal(got, want.to(got.device))):
             _KERNEL[0] = None
             log.warning("reorder: the Triton checksum kernel's first window differs from the torch ops' sums; the "
                         "self-check sums with torch ops from now on")
-            return want
+            return _to_host(want) if host else want.to(got.device)
         _KERNEL_AGREED.append(True)
     return got
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """t in host memory: itself when it is there, else a pinned copy filled behind the device's work."""
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """t's values in host memory, as a numpy array: its own when it is there, else a pinned copy's,
+    filled behind the device's work."""
     if t.device.type == "cpu":
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return t.numpy()
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True).numpy()
 
 
 def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
@@ -190,7 +196,7 @@ def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
 
 def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, interpret: bool = False,
                      block: int = BLOCK, chunk: int = CHUNK, graphs: "Graphs | None" = None,
-                     grid: int | None = None) -> torch.Tensor | None:
+                     grid: int | None = None, placed: bool = False) -> torch.Tensor | np.ndarray | None:
     """`window_checksums` through the Triton kernel (one launch), or None where it does not apply:
     not a CUDA device (unless `interpret`: CPU tensors, Triton's interpreter; with TRITON_INTERPRET=1
     in the environment, `interpret` alone), triton missing, no buffer the kernel can read, or a
@@ -198,37 +204,43 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     (a power of two); chunk: words per program (a multiple of block). graphs: with `host`, the
     caller's captured launches (`Graphs`), replayed where one fits the window. grid: launch that
     many programs, each taking every grid-th of the window's (interpreted; default one per
-    program)."""
+    program). placed: the caller vouches that every buffer given is one the kernel reads by address
+    (contiguous, on `device` or in pinned host memory; interpreted: on the CPU), so none is asked
+    (host time a buffer); else each is, and the others are summed with torch ops."""
     device = torch.device(device)
-    if not interpret and (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not interpret and (device.type != "cuda" or _INTERPRETER):
         return None  # (an interpreted kernel would read the table's device addresses on the host)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     kernel = _kernel()
     if kernel is None:
         return None
-    n = sum(counts.shape[0] for _, counts in parts)
-    readable = [[t is not None and _readable(t, device, interpret) for t in bufs] for bufs, _ in parts]
-    if not any(map(any, readable)):
+    readable = None if placed else [[t is not None and _readable(t, device, interpret) for t in bufs]
+                                    for bufs, _ in parts]
+    if readable is not None and not any(map(any, readable)):
         return None
     # the input, then the sums' words (the torch sums of the buffers the kernel does not read, else
     # zero): one pinned block, one copy to the device, and the sums copied back into its own words.
     # Fresh each launch, or a captured launch's own: the caching host allocator does not hand a
     # fresh block out again before the non-blocking copies that use it have completed
-    staged, slot = [], None
+    captured = graphs is not None and host and not interpret
+    slot, staged = None, []
 
     def alloc(size):
         nonlocal slot
-        if graphs is not None and host and not interpret:
-            slot = graphs.take(device, size)
-        staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not interpret) if slot is None else slot.host[:size])
+        slot = graphs.take(device, size) if captured else None
+        if slot is not None:
+            return slot.words[:size]
+        staged.append(torch.empty(size, dtype=torch.int64, pin_memory=not interpret))
         return staged[0].numpy()
 
-    _, programs, at = launch_block(parts, fields, readable, chunk, alloc=alloc)
-    data, out_at = staged[0], at["out_at"]
-    rest = _unread_sums(parts, fields, readable, n)
+    words, programs, at = launch_block(parts, fields, readable, chunk, alloc=alloc)
+    out_at, size = at["out_at"], len(words)
+    n = (size - out_at) // CHECKED_FIELDS  # the sums' words come last
+    data = staged[0] if slot is None else slot.host
+    rest = None if readable is None else _unread_sums(parts, fields, readable, n)
     if rest is not None:
-        data[out_at:].view(n, CHECKED_FIELDS).copy_(rest)
+        words[out_at:] = rest.numpy().ravel()
     consts = dict(SLOTS=CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, SAMPLES=at["samples"])
     try:
         if interpret:
@@ -236,16 +248,17 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
                 kernel[(min(programs, grid or programs),)](data, **consts)
         else:
             with _current(device):  # Triton launches on the current device and stream
-                if slot is not None and slot.replay(kernel, consts):
-                    data = slot.host  # the captured copies, launch and copy back, in one call
-                else:
-                    data = data.to(device, non_blocking=True)
+                if slot is None or not slot.replay(kernel, consts):  # a replay: the copies, launch and copy back
+                    on_host = data[:size]
+                    data = on_host.to(device, non_blocking=True)
                     if programs:
                         _launch(kernel, programs, data, consts)
                     if host:  # the whole block back into its own words: one copy, no slice of the device block
-                        data = staged[0].copy_(data, non_blocking=True)
+                        data = on_host.copy_(data, non_blocking=True)
                 if programs:
-                    held = [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
+                    read = (t for bufs, _ in parts for t in bufs) if readable is None else \
+                        (t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok)
+                    held = [t for t in read if t is not None and not t.is_cuda]
                     # every launch lets go of the holds that are done, one with nothing to hold too:
                     # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
                     _HELD.hold(held, torch.cuda.current_stream(device) if held else None)
@@ -254,7 +267,9 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
         log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "
                     "ops from now on", type(e).__name__, e)
         return None
-    return data[out_at:out_at + n * CHECKED_FIELDS].view(n, CHECKED_FIELDS)
+    if host:  # the block's own words, written back by the copy
+        return words[out_at:].reshape(n, CHECKED_FIELDS)
+    return data[out_at:size].view(n, CHECKED_FIELDS)
 
 
 class Graphs:
@@ -299,6 +314,7 @@ class _Captured:
         self.device, self.graph, self.consts = torch.device("cuda", index), None, None
         self._memory = mmap.mmap(-1, 8 * words)  # whole pages: registered with CUDA as they are
         self.host = torch.frombuffer(self._memory, dtype=torch.int64)
+        self.words = np.frombuffer(self._memory, dtype=np.int64)  # the same words, for the host to write
         self.device_block = None
 
     def replay(self, kernel, consts: dict) -> bool:
@@ -410,41 +426,55 @@ def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
     return out
 
 
-def launch_block(parts: list, fields: tuple, readable: list, chunk: int, alloc=None) -> tuple[np.ndarray, int, dict]:
+def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
+                 alloc=None) -> tuple[np.ndarray, int, dict]:
     """The kernel's input as one int64 array, its number of programs, and the offsets of the array's
     parts with `samples`, the kernel's SAMPLES (`triton_checksum` documents the layout; the header
     holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the
-    kernel reads it when `readable[part][field]` (a buffer it does not read may be None), in
-    programs of `chunk` words over its bytes. The host writes what it holds, in a fixed number of
-    array operations whatever the window's micro-batches and samples (the field rows made once per
-    layout); the device cuts the work. The output words (zero) come last. `alloc(size)` gives the
-    int64 array to fill (default np.empty). parts: at least one."""
+    kernel reads it when `readable[part][field]` (None: every buffer that is not None), in programs
+    of `chunk` words over its bytes; a buffer it does not read (None, or not readable) gets no
+    program. The host writes what it holds with two reads per buffer (address, size) and a fixed
+    number of array operations whatever the window's micro-batches and samples (the field rows made
+    once per layout); the device cuts the work. The output words (zero) come last. `alloc(size)`
+    gives the int64 array to fill (default np.empty). parts: at least one."""
     rows, widths = _field_constants(tuple(fields))
-    bufs, first, row0, most = [], [0], 0, 16  # SAMPLES at least 16: one compiled variant for most windows
-    for p, ((held, counts), r) in enumerate(zip(parts, readable)):
-        if len(held) != len(fields):
-            raise ValueError(f"part {p} has {len(held)} buffers for {len(fields)} fields")
-        n = len(counts.table)
-        for t, ok, width in zip(held, r, widths):
-            size = t.nbytes if ok else 0
-            first.append(first[-1] + -(-(size // width) // chunk))
-            bufs += (0 if t is None else t.data_ptr(), size, row0, n)
-        row0, most = row0 + n, max(most, n)
-    counts = np.concatenate([c.table for _, c in parts])
-    buffers = len(first) - 1
+    nf = len(fields)
+    for p, (held, _) in enumerate(parts):
+        if len(held) != nf:
+            raise ValueError(f"part {p} has {len(held)} buffers for {nf} fields")
+    flat = [t for held, _ in parts for t in held]
+    tables = [c.table for _, c in parts]
+    n = [len(t) for t in tables]
+    if readable is None:
+        sizes = [0 if t is None else t.nbytes for t in flat]
+    else:
+        sizes = [t.nbytes if ok else 0 for t, ok in zip(flat, itertools.chain.from_iterable(readable))]
+    first = [0, *itertools.accumulate(-(-(s // w) // chunk) for s, w in zip(sizes, widths * len(parts)))]
+    row0 = [0, *itertools.accumulate(n)]
+    bufs = [0] * (4 * len(flat))  # rows (address, bytes, first sample, samples), filled column by column
+    bufs[0::4] = [0 if t is None else t.data_ptr() for t in flat]
+    bufs[1::4] = sizes
+    bufs[2::4] = [r for r in row0[:-1] for _ in range(nf)]
+    bufs[3::4] = [m for m in n for _ in range(nf)]
+    buffers, samples = len(flat), row0[-1]
     at = {"programs_at": _HEADER}
     at["bufs_at"] = _HEADER + buffers + 1
     at["fields_at"] = at["bufs_at"] + 4 * buffers
-    at["counts_at"] = at["fields_at"] + rows.size
-    at["out_at"] = at["counts_at"] + counts.size
-    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + row0 * CHECKED_FIELDS)
-    out[:_HEADER] = (buffers, len(fields), *at.values(), counts.shape[1])
-    out[_HEADER:at["bufs_at"]] = first
-    out[at["bufs_at"]:at["fields_at"]] = bufs
-    out[at["fields_at"]:at["counts_at"]] = rows.ravel()
-    out[at["counts_at"]:at["out_at"]] = counts.ravel()
+    at["counts_at"] = at["fields_at"] + len(rows)
+    at["out_at"] = at["counts_at"] + samples * len(COLUMNS)
+    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + samples * CHECKED_FIELDS)
+    # everything the host knows as Python ints in one call; the counts and the zero sums as arrays
+    _int64s(at["counts_at"]).pack_into(out, 0, buffers, nf, *at.values(), len(COLUMNS), *first, *bufs, *rows)
+    out[at["counts_at"]:at["out_at"]] = np.concatenate(tables).ravel() if len(tables) > 1 else tables[0].ravel()
     out[at["out_at"]:] = 0
-    return out, first[-1], dict(at, samples=1 << (most - 1).bit_length())
+    # SAMPLES a power of two, at least 16: one compiled variant for most windows
+    return out, first[-1], dict(at, samples=1 << (max(16, *n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def _int64s(count: int) -> struct.Struct:
+    """The packing of `count` native int64 words."""
+    return struct.Struct(f"={count}q")
 
 
 _HEADER = 8  # the block's header words: buffers, fields, the five offsets, the counts' columns
@@ -454,13 +484,12 @@ _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"),
 
 @functools.lru_cache(maxsize=64)
 def _field_constants(fields: tuple) -> tuple:
-    """The kernel's rows of `fields` [F, 8] (kind, pre, unit, word width, salt, checksum slot,
+    """The kernel's rows of `fields` [F, 8], flat, (kind, pre, unit, word width, salt, checksum slot,
     counts column of its entries (a dense field's: any), 0) and their word widths. The same every
     window of a layout: made once."""
     rows = np.array([[_KINDS[f.kind], f.pre, f.unit, word_width(f.kind, f.unit), field_salt(i), field_slot(i), _ENTRY_COLUMN.get(f.kind, 0), 0] for i, f in enumerate(fields)],
                     dtype=np.int64).reshape(len(fields), 8)
-    rows.setflags(write=False)
-    return rows, rows[:, 3].tolist()
+    return tuple(rows.ravel().tolist()), tuple(rows[:, 3].tolist())
 
 
 _HELD = KeepAlive()  # one per process: every round and thread (an overlap worker too) launches

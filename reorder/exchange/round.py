@@ -156,6 +156,7 @@ class WindowRound:
         self._windows = 0  # windows read so far (planned or skipped): the self-check's schedule
         self._check = None  # the last checked window's sums, sent in the next window frame
         self._graphs = Graphs()  # the checksum launches, captured (on CUDA): their sums are read a window later
+        self._events = {}  # CUDA device -> the event after a checked window's sums (one waits at a time)
         self.agreed = grid.dp == 1  # the DP group's config frames matched (nothing to agree on alone)
         self._paths = None  # per-sample field paths of the last planned window (moved in skipped windows)
         self._executors = {}
@@ -488,8 +489,10 @@ class WindowRound:
         parts = self._sender_parts(now, held=True)
         if parts is None:
             return None
-        return window_checksums(parts, now.fields, now.placement.target, host=True,
-                                graphs=self._graphs).view(len(parts), -1, CHECKED_FIELDS)
+        # placed: `_sources` left every source on the target or in pinned memory the executor reads in
+        # place, contiguous (`field_buffers`), and the outputs are made on the target
+        return window_checksums(parts, now.fields, now.placement.target, host=True, graphs=self._graphs,
+                                placed=True).reshape(len(parts), -1, CHECKED_FIELDS)
 
     def _sender_parts(self, now: _Pending, *, held: bool) -> list | None:
         """Per slot (its sources whose placement `held` is `held`, None for the others; its
@@ -498,6 +501,8 @@ class WindowRound:
         if held not in which:
             return None
         table, sources = now.window.counts.table, now.sources
+        if (not held) not in which:  # every source is: the slots' sources as they are
+            return [(sources[s * nf:(s + 1) * nf], SampleCounts(table[s])) for s in range(len(table))]
         return [([t if h == held else None for t, h in zip(sources[s * nf:(s + 1) * nf], which[s * nf:(s + 1) * nf])],
                  SampleCounts(table[s])) for s in range(len(table))]
 
@@ -521,13 +526,13 @@ class WindowRound:
                 rows.append(len(parts))
                 parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
         rows = [len(parts) + s if r is None else r for s, r in enumerate(rows)]
-        sums = window_checksums(parts + late, now.fields, dev, host=True,
-                                graphs=self._graphs).view(len(parts) + len(late), -1, CHECKED_FIELDS)
+        sums = window_checksums(parts + late, now.fields, dev, host=True, graphs=self._graphs,
+                                placed=True).reshape(len(parts) + len(late), -1, CHECKED_FIELDS)
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
         return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], layout=now.layout,
                       sums=(now.sent, sums[len(parts):] if late else None, sums), rows=rows,
-                      event=_recorded(dev) if dev.type == "cuda" else None)
+                      event=self._recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
         """int64 [W, B/dp, 2 * CHECKED_FIELDS] of the last checked window (the sender's sums, then the
@@ -536,7 +541,7 @@ class WindowRound:
             return None
         if self._check.event is not None:
             self._check.event.synchronize()
-        held, late, every = (None if t is None else t.numpy() for t in self._check.sums)
+        held, late, every = self._check.sums
         sent = late if held is None else held if late is None else held + late  # int64 arrays wrap, as the sums do
         return np.concatenate([sent, every[self._check.rows]], axis=-1)
 
@@ -559,6 +564,16 @@ class WindowRound:
         return (f"self-check failed: window {check.window}, micro-batch {s}: rank {p // b} holds at position {p % b} "
                 f"the sample of natural position {i} (read by rank {i // b}), and it differs in field {field!r} from "
                 f"what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
+
+    def _recorded(self, device: torch.device):
+        """The round's event on `device`, recorded on its current stream (after the work enqueued there
+        so far). One event a device serves every window: the next window waits for it (`_check_words`)
+        before it is recorded again."""
+        event = self._events.get(device)
+        if event is None:
+            event = self._events[device] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
 
     # ---- windows the gate backoff skips -----------------------------------------------------------
 
@@ -606,7 +621,7 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
 class _Check:
     """A checked window whose sums wait for the next window frame: sums (the sender's of its held
     sources and of its other sources, either None when it has none, then every part of the call
-    that summed the others; host tensors [parts, B/dp, CHECKED_FIELDS]; the sender's are the first
+    that summed the others; host arrays [parts, B/dp, CHECKED_FIELDS]; the sender's are the first
     two added), rows (per slot, the part holding its assembled sums), the event after which they
     are readable (None when no device wrote them), the window's canonical orders [W, B] and its
     layout (the field names of an error)."""
@@ -617,13 +632,6 @@ class _Check:
     sums: tuple
     rows: list
     event: object
-
-
-def _recorded(device: torch.device):
-    """A CUDA event recorded on `device`'s current stream (after the work enqueued there so far)."""
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def _field_names(layout) -> list:

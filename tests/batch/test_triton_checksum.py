@@ -98,6 +98,12 @@ def check_kernel_interpreted():
         assert torch.equal(got, want), (got - want).nonzero()
         fewer = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk, grid=1 + pick % 3)
         assert torch.equal(fewer, want)  # a grid smaller than the programs: each takes every grid-th
+        cs._readable = asked  # placed: the caller vouches for every buffer, none is asked
+        try:
+            placed = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk, placed=True)
+        finally:
+            cs._readable = readable
+        assert torch.equal(placed, want)
         where = [(p, f) for p, (bufs, _) in enumerate(parts) for f, t in enumerate(bufs) if t.numel()]
         if not where:
             return
@@ -148,6 +154,9 @@ def check_kernel_interpreted():
         full = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk)
         assert torch.equal(sums[0], sums[1])
         assert not torch.equal(sums[0], full)
+
+    def asked(t, device, interpret):
+        raise AssertionError("a buffer was asked whether the kernel reads it, though placed")
 
     readable = cs._readable
     t0 = time.perf_counter()
@@ -244,6 +253,9 @@ def test_the_launch_block_gives_every_buffer_its_words_and_programs(window, chun
     assert block[:8].tolist() == header and at["programs_at"] == 8 and at["bufs_at"] == 8 + len(first)
     assert block.dtype == np.int64 and rows == want and block[8:at["bufs_at"]].tolist() == first
     assert programs == first[-1]
+    every = cs.launch_block(parts, fields, [[True] * len(bufs) for bufs, _ in parts], chunk)
+    vouched = cs.launch_block(parts, fields, None, chunk)  # None: every buffer read, as if all were readable
+    assert vouched[0].tolist() == every[0].tolist() and vouched[1:] == every[1:]
     kinds = {"dense": 0, "row": 1, "image": 1, "list": 2}
     column = {"row": "rows", "image": "images", "list": "list_bytes"}
     assert block[at["fields_at"]:at["counts_at"]].reshape(-1, 8).tolist() == [
@@ -266,7 +278,7 @@ def test_off_cuda_the_window_is_summed_by_torch_ops(monkeypatch):
     want = torch.cat([cs.checksums(bufs, fields, counts) for bufs, counts in parts])
     assert torch.equal(got, want) and calls == []
     assert cs.kernel_checksums(parts, fields, "cpu") is None and calls == []
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted, a CUDA launch would read device addresses on the host
+    monkeypatch.setattr(cs, "_INTERPRETER", True)  # TRITON_INTERPRET=1: a CUDA launch would read device addresses on the host
     assert cs.kernel_checksums(parts, fields, "cuda") is None and calls == []
 
 
@@ -306,20 +318,24 @@ def test_a_kernel_whose_first_window_differs_from_the_torch_ops_is_replaced(monk
     want = cs.torch_checksums(parts, fields)
     wrong = []
 
-    def off_by_one(parts_, fields_, device, *, host=False, interpret=False, graphs=None):
+    def off_by_one(parts_, fields_, device, *, host=False, interpret=False, graphs=None, placed=False):
         wrong.append(device)
-        return want + 1
+        return (want + 1).numpy() if host else want + 1
 
     monkeypatch.setattr(cs, "kernel_checksums", lambda *a, **k: off_by_one(*a, **k) if cs._KERNEL[0] else None)
-    monkeypatch.setattr(cs, "_KERNEL", [object()])
-    monkeypatch.setattr(cs, "_KERNEL_AGREED", [])
-    with caplog.at_level("WARNING", logger="reorder"):
-        assert torch.equal(cs.window_checksums(parts, fields, "cpu"), want)
-        assert torch.equal(cs.window_checksums(parts, fields, "cpu"), want)
-    assert len(wrong) == 1 and cs._KERNEL == [None] and cs._KERNEL_AGREED == []
-    assert [r.message for r in caplog.records] == [
-        "reorder: the Triton checksum kernel's first window differs from the torch ops' sums; the self-check sums "
-        "with torch ops from now on"]
+    for host in (False, True):  # the sums where they were summed, or in host memory (numpy)
+        monkeypatch.setattr(cs, "_KERNEL", [object()])
+        monkeypatch.setattr(cs, "_KERNEL_AGREED", [])
+        wrong.clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="reorder"):
+            for _ in range(2):
+                got = cs.window_checksums(parts, fields, "cpu", host=host)
+                assert isinstance(got, np.ndarray if host else torch.Tensor) and got.tolist() == want.tolist()
+        assert len(wrong) == 1 and cs._KERNEL == [None] and cs._KERNEL_AGREED == []
+        assert [r.message for r in caplog.records] == [
+            "reorder: the Triton checksum kernel's first window differs from the torch ops' sums; the self-check "
+            "sums with torch ops from now on"]
 
 
 def test_a_kernel_that_agrees_on_its_first_window_is_compared_only_then(monkeypatch):
