@@ -431,12 +431,13 @@ def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
     """The kernel's input as one int64 array, its number of programs, and the offsets of the array's
     parts with `samples`, the kernel's SAMPLES (`triton_checksum` documents the layout; the header
     holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the
-    kernel reads it when `readable[part][field]` (None: every buffer that is not None), in programs
-    of `chunk` words over its bytes; a buffer it does not read (None, or not readable) gets no
-    program. The host writes what it holds with two reads per buffer (address, size) and a fixed
-    number of array operations whatever the window's micro-batches and samples (the field rows made
-    once per layout); the device cuts the work. The output words (zero) come last. `alloc(size)`
-    gives the int64 array to fill (default np.empty). parts: at least one."""
+    kernel reads it when `readable[part][field]` (a buffer it does not read may be None; readable
+    None: every buffer that is not None), in programs of `chunk` words over its bytes. The host
+    writes what it holds: two reads a buffer (address, size), the header, programs, rows and field
+    rows (made once per layout) packed in one call, then the counts and the zero output words (they
+    come last) as two array writes, whatever the window's micro-batches and samples; the device
+    cuts the work. `alloc(size)` gives the int64 array to fill (default np.empty). parts: at least
+    one."""
     rows, widths = _field_constants(tuple(fields))
     nf = len(fields)
     for p, (held, _) in enumerate(parts):
