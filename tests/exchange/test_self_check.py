@@ -438,3 +438,38 @@ def test_the_sender_sums_the_very_buffers_the_executor_reads(monkeypatch):
         assert made[rank] == 2  # once per slot of the one window
         assert all(a is b for a, b in zip(sent, pack, strict=True)), "the sender summed other tensors than pack read"
         assert all(a is b for a, b in zip(sent, assemble[1:], strict=True))  # assemble: the received buffer first
+
+
+@pytest.mark.parametrize("held", ["none", "every other"])
+def test_the_round_vouches_only_for_buffers_the_kernel_reads_by_address(monkeypatch, held):
+    """The round tells the checksum that its buffers are placed (`placed=True`: none is asked whether
+    the kernel reads it by address), and that holds: every buffer it gives is contiguous and on
+    the target (here the CPU; on CUDA also pinned host memory read in place), even where a field
+    came as a non-contiguous view and the per-sample lists as Python objects; the window passes."""
+    from reorder.batch.checksum import _readable
+    from reorder.exchange import round as round_module
+    holding(monkeypatch, {"none": lambda i: False, "every other": lambda i: i % 2}[held])
+    calls, sums = [], round_module.window_checksums
+
+    def vouching_sums(parts, fields, device, **kw):
+        calls.append((kw.get("placed"), [_readable(t, torch.device(device), True) for bufs, _ in parts
+                                         for t in bufs if t is not None]))
+        return sums(parts, fields, device, **kw)
+
+    monkeypatch.setattr(round_module, "window_checksums", vouching_sums)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=1)
+        g = syn.make_global_batch(np.random.default_rng(3), 8, 256, features=8, mix="large", first_id=0, scale=0.05)
+        g["sample_ids"] = [f"s{i}" for i in range(8)]
+        share = syn.rank_share(g, 2, r)
+        share["loss_mask"] = share["loss_mask"].t().contiguous().t()  # the same values, not contiguous
+        assert not share["loss_mask"].is_contiguous()
+        _, report = ex.exchange([share])
+        ex.exchange([])
+        return report.moved_samples
+
+    moved = run_emulated(2, fn, timeout=30)
+    assert moved[0] > 0 and len(calls) == (2 if held == "none" else 4)
+    assert all(placed is True and all(readable) and readable for placed, readable in calls), calls
