@@ -280,3 +280,24 @@ def test_verify_cost_bench_refuses_gpu_inputs_without_a_gpu():
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode == 2
     assert "--inputs 'device': expected host (no CUDA device)" in res.stderr
+
+
+def test_checksum_kernel_bench_refuses_without_cuda_and_takes_the_round_s_parts():
+    """bench/checksum_kernel.py times the Triton kernel on CUDA only: elsewhere it stops with a clear
+    message (exit status 1); the window it times is what the round gives its launch after the
+    assembly, every part a buffer per field."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench.checksum_kernel import window_parts
+
+    parts, fields = window_parts(torch.device("cpu"), 2)
+    assert len(parts) in (2, 3, 4) and all(len(bufs) == len(fields) for bufs, _ in parts)
+    assert sum(counts.shape[0] for _, counts in parts) == 16 * len(parts)
+    if torch.cuda.is_available():
+        return
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "checksum_kernel.py")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == ("bench/checksum_kernel.py times the Triton kernel on a CUDA "
+                                                   "device: none is available")

@@ -155,6 +155,29 @@ def check_kernel_interpreted():
         assert torch.equal(sums[0], sums[1])
         assert not torch.equal(sums[0], full)
 
+    def long_runs(seed):
+        """Runs of many steps that cross entries: rows of 3 words (8 bytes, and 2 bytes read byte by
+        byte off their alignment), images of 37 words, dense rows of 40, in blocks of 16 lanes: each
+        lane's entry, word, mixes and address, carried from step to step, wrap where they must."""
+        rng = np.random.default_rng(seed)
+        n = 3
+        counts = SampleCounts.of(rows=rng.integers(10, 30, n), images=rng.integers(1, 4, n))
+        rows, images = int(counts.rows.sum()), int(counts.images.sum())
+        fields = (ByteField("dense", 2, 40 * 8), ByteField("row", 1, 24), ByteField("row", 1, 6),
+                  ByteField("image", 1, 37 * 4))
+        bufs = [buffer(rng, torch.int64, (2, n, 40), 0), buffer(rng, torch.int64, (rows, 3), 0),
+                buffer(rng, torch.uint8, (rows, 6), 1), buffer(rng, torch.int32, (images, 37), 0)]
+        parts = [(bufs, counts)]
+        want = cs.torch_checksums(parts, fields)
+        for block, chunk in [(16, 16), (16, 48), (64, 128)]:
+            got = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=block, chunk=chunk)
+            assert torch.equal(got, want), (block, chunk, (got - want).nonzero().tolist())
+        for f, t in enumerate(bufs[1:], 1):  # a byte flipped in the last entry: its sample's sum of that field
+            t.reshape(-1).view(torch.uint8)[-1] ^= 0x10
+            got = cs.kernel_checksums(parts, fields, "cpu", interpret=True, block=16, chunk=48)
+            assert (got != want).nonzero().tolist() == [[n - 1, field_slot(f)]], f
+            t.reshape(-1).view(torch.uint8)[-1] ^= 0x10
+
     def asked(t, device, interpret):
         raise AssertionError("a buffer was asked whether the kernel reads it, though placed")
 
@@ -165,6 +188,8 @@ def check_kernel_interpreted():
     run(given(windows(), sizes, st.integers(0, 2**20))(same_sums_and_one_flip))()
     run(given(windows(max_fields=4), sizes, st.integers(0, 2**20))(some_buffers_unread))()
     run(given(windows(max_fields=4), sizes, st.integers(0, 2**20))(no_byte_past_a_short_buffer))()
+    for seed in range(4):
+        long_runs(seed)
     print(f"property: {time.perf_counter() - t0:.1f} s")
     check_round_interpreted()
 
