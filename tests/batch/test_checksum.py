@@ -620,10 +620,39 @@ def test_a_buffer_left_out_takes_no_program_and_no_address():
     counts = SampleCounts.of(list_bytes=np.array([3, 5]))
     data = torch.arange(8, dtype=torch.uint8)
     fields = (ByteField("list", 1, 1), ByteField("list", 1, 1))
-    block, programs, at = cs.launch_block([([None, data], counts)], fields, [[False, True]], 4)
-    rows = block[at["bufs_at"]:at["fields_at"]].reshape(2, 4)
-    assert rows.tolist() == [[0, 0, 0, 2], [data.data_ptr(), 8, 0, 2]]
-    assert programs == 2 and block[at["programs_at"]:at["bufs_at"]].tolist() == [0, 0, 2]
+    for readable in ([[False, True]], None):  # None: every buffer given is read
+        block, programs, at = cs.launch_block([([None, data], counts)], fields, readable, 4)
+        rows = block[at["bufs_at"]:at["fields_at"]].reshape(2, 4)
+        assert rows.tolist() == [[0, 0, 0, 2], [data.data_ptr(), 8, 0, 2]]
+        assert programs == 2 and block[at["programs_at"]:at["bufs_at"]].tolist() == [0, 0, 2]
+
+
+def test_placed_buffers_are_not_asked_and_by_default_each_is(monkeypatch):
+    """`placed=True` (the round's buffers: contiguous, on the launch device or pinned): no buffer is
+    asked whether the kernel reads it by address, a buffer left out (None) adds nothing, and the
+    sums, in host memory a numpy array, are the torch ops'. By default every buffer is asked, and
+    one the kernel cannot read by address (here: the row buffer, refused) is summed by the torch
+    ops."""
+    monkeypatch.setattr(cs, "_KERNEL", [PlainWindow()])
+    monkeypatch.setattr(cs, "_KERNEL_AGREED", [True])
+    asked, refused = [], []
+    monkeypatch.setattr(cs, "_readable", lambda t, device, interpret: asked.append(t) or t is not refused[0])
+    counts = SampleCounts.of(list_bytes=np.array([3, 5]), rows=np.array([1, 2]))
+    fields = (ByteField("list", 1, 1), ByteField("row", 1, 8))
+    lists, rows = torch.arange(8, dtype=torch.uint8), torch.arange(24, dtype=torch.uint8).view(3, 8)
+    for bufs in ([lists, rows], [None, rows], [lists, None]):
+        want = cs.torch_checksums([(bufs, counts)], fields)
+        got = cs.kernel_checksums([(bufs, counts)], fields, "cpu", interpret=True, placed=True)
+        assert got.tolist() == want.tolist() and asked == []
+        got = cs.window_checksums([(bufs, counts)], fields, "cpu", interpret=True, host=True, placed=True)
+        assert isinstance(got, np.ndarray) and got.tolist() == want.tolist() and asked == []
+    refused.append(rows)
+    want = cs.torch_checksums([([lists, rows], counts)], fields)
+    kernel = cs._KERNEL[0]
+    got = cs.window_checksums([([lists, rows], counts)], fields, "cpu", interpret=True)
+    assert isinstance(got, torch.Tensor) and got.tolist() == want.tolist()
+    assert [id(t) for t in asked] == [id(lists), id(rows)]
+    assert kernel.launches[-1][0] == (1,)  # one program: the list bytes (the rows by the torch ops)
 
 
 def test_a_buffer_s_last_partial_word_takes_no_program():
