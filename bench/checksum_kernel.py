@@ -1,8 +1,8 @@
 """The self-check's checksum kernel alone, over its warps and lanes a program (num_warps, BLOCK),
-words a program (CHUNK) and the grid a launch strides with (4 or 16 programs a multiprocessor, the captured launch's; or one
-program each): device ms a window and GB/s of the buffers summed, on the window the round sums on
-CUDA (what a dp-1 rank read and what it assembled, W realistic Qwen-VL micro-batches on the GPU).
-Every variant's sums must equal the first's. CUDA only; it picks `checksum.BLOCK` and the grid of
+words a program (CHUNK) and the grid a launch strides with (4 or 16 programs a multiprocessor, the
+captured launch's; or one program each): device ms a window and GB/s of the buffers summed, on the
+window the round sums on CUDA (what a dp-1 rank read and what it assembled, W realistic Qwen-VL
+micro-batches on the GPU). Every variant's sums must equal the first's. CUDA only; it picks `checksum.BLOCK` and the grid of
 `checksum.Graphs`.
 
   PYTHONPATH=. python bench/checksum_kernel.py [--window 8] [--blocks 256,512,1024,2048]
