@@ -204,14 +204,11 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     in the environment, `interpret` alone), triton missing, no buffer the kernel can read, or a
     kernel that failed to launch once (logged; torch ops from then on). block: lanes of a program
     (a power of two); chunk: words per program (a multiple of block). graphs: with `host`, the
-    caller's captured launches (`Graphs`), replayed where one fits the window (then `graphs.done` is
-    the event after the sums' copy to the host, else None). grid: launch that
+    caller's captured launches (`Graphs`), replayed where one fits the window. grid: launch that
     many programs, each taking every grid-th of the window's (interpreted; default one per
     program). placed: the caller vouches that every buffer given is one the kernel reads by address
     (contiguous, on `device` or in pinned host memory; interpreted: on the CPU), so none is asked
     (host time a buffer); else each is, and the others are summed with torch ops."""
-    if graphs is not None:
-        graphs.done = None
     device = torch.device(device)
     if not interpret and (device.type != "cuda" or _INTERPRETER):
         return None  # (an interpreted kernel would read the table's device addresses on the host)
@@ -253,9 +250,7 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
                 kernel[(min(programs, grid or programs),)](data, **consts)
         else:
             with _current(device):  # Triton launches on the current device and stream
-                if slot is not None and slot.replay(kernel, consts):  # the copies, launch, copy back and event
-                    graphs.done = slot.done
-                else:
+                if slot is None or not slot.replay(kernel, consts):  # a replay: the copies, launch and copy back
                     on_host = data[:size]
                     data = on_host.to(device, non_blocking=True)
                     if programs:
@@ -283,11 +278,9 @@ class Graphs:
     """One caller's captured checksum launches on CUDA (a round keeps one): per device and block
     size (a power of two, at least a page), two pinned blocks, each with a device block and a CUDA
     graph that copies the pinned block to the device, runs the kernel over a fixed grid (its
-    programs take every grid-th of the window's), copies the block back and records an event. A
-    launch through one is a single host call instead of four, and nothing is allocated: `done` is
-    that event after a call that replayed a graph (None after one that did not), so the caller
-    waits for the sums without recording an event of its own. A block's graph is captured at its
-    first launch, which runs uncaptured.
+    programs take every grid-th of the window's) and copies the block back. A launch through one
+    is a single host call instead of three, and nothing is allocated. A block's graph is captured
+    at its first launch, which runs uncaptured.
 
     The two blocks of a size are taken in turn, so a launch's sums (a view of its block) stay as
     they are until the launch after next of that size: the caller reads them before (the round
@@ -298,7 +291,6 @@ class Graphs:
     def __init__(self):
         self._slots = {}  # (device index, words) -> [_Captured, _Captured]
         self._turn = {}
-        self.done = None  # torch.cuda.Event recorded by the last call's replay, if it replayed
 
     def take(self, device: torch.device, size: int) -> "_Captured | None":
         """The next captured block of at least `size` words on `device` (None once capturing has failed)."""
@@ -325,7 +317,7 @@ class _Captured:
         self._memory = mmap.mmap(-1, 8 * words)  # whole pages: registered with CUDA as they are
         self.host = torch.frombuffer(self._memory, dtype=torch.int64)
         self.words = np.frombuffer(self._memory, dtype=np.int64)  # the same words, for the host to write
-        self.device_block, self.done = None, None
+        self.device_block = None
 
     def replay(self, kernel, consts: dict) -> bool:
         """Launch the block through the graph, captured first when there is none (then the launch
@@ -357,18 +349,15 @@ class _Captured:
             compiled = _compiled(kernel, self.device_block, consts, grid)
             compiled._init_handles()  # the kernel's module loaded before the capture, not in it
             graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
-            done = torch.cuda.Event(external=True)  # recorded by each replay: a node of the graph
             with torch.cuda.stream(stream):
-                done.record()  # made before the capture, where making it is a call outside the graph
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     self.device_block.copy_(self.host, non_blocking=True)
                     compiled[(grid, 1, 1)](self.device_block, *consts.values())
                     self.host.copy_(self.device_block, non_blocking=True)
-                    done.record()
                 finally:
                     graph.capture_end()
-            self.graph, self.consts, self.done = graph, dict(consts), done
+            self.graph, self.consts = graph, dict(consts)
         except Exception as e:  # the uncaptured launches serve every caller from now on
             _CAPTURE[0] = False
             log.warning("reorder: the self-check's checksum launch could not be captured in a CUDA graph (%s: %s); "

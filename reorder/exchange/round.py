@@ -529,10 +529,10 @@ class WindowRound:
         sums = window_checksums(parts + late, now.fields, dev, host=True, graphs=self._graphs,
                                 placed=True).reshape(len(parts) + len(late), -1, CHECKED_FIELDS)
         # one event for every copy to the host: the window's steps run on one thread, and so on one
-        # stream of the target device; a replayed launch records its own, after its copy back
+        # stream of the target device
         return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], layout=now.layout,
                       sums=(now.sent, sums[len(parts):] if late else None, sums), rows=rows,
-                      event=self._waited_for(dev))
+                      event=self._recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
         """int64 [W, B/dp, 2 * CHECKED_FIELDS] of the last checked window (the sender's sums, then the
@@ -564,14 +564,6 @@ class WindowRound:
         return (f"self-check failed: window {check.window}, micro-batch {s}: rank {p // b} holds at position {p % b} "
                 f"the sample of natural position {i} (read by rank {i // b}), and it differs in field {field!r} from "
                 f"what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
-
-    def _waited_for(self, device: torch.device):
-        """What the next window waits for before it reads the sums: on CUDA the event the replayed
-        launch recorded after its copy to the host, else the round's (`_recorded`); None elsewhere."""
-        if device.type != "cuda":
-            return None
-        done = self._graphs.done
-        return done if done is not None else self._recorded(device)
 
     def _recorded(self, device: torch.device):
         """The round's event on `device`, recorded on its current stream (after the work enqueued there

@@ -679,15 +679,3 @@ def test_the_counts_of_every_sample_part_after_part(most, samples):
     assert block[at["counts_at"]:at["out_at"]].reshape(n, c).tolist() == np.concatenate([a.table, b.table]).tolist()
     assert block[at["out_at"]:].tolist() == [0] * n * CHECKED_FIELDS and len(block) == at["out_at"] + n * CHECKED_FIELDS
     assert (block[0], block[1], block[7], at["samples"]) == (4, 2, c, samples)  # buffers, fields, columns
-
-
-def test_a_call_that_does_not_replay_leaves_no_event_of_an_earlier_one():
-    """`Graphs.done` names the event of the call's own replay: a call that launches nothing (here,
-    off CUDA) clears what an earlier call left, so no caller waits on a stale event."""
-    graphs = cs.Graphs()
-    graphs.done = "an earlier replay's event"
-    counts = SampleCounts.of(rows=np.array([2, 1]))
-    parts = [([torch.arange(6, dtype=torch.int64).view(1, 2, 3), torch.zeros(3, 4, dtype=torch.uint8)], counts)]
-    fields = (ByteField("dense", 1, 24), ByteField("row", 1, 4))
-    assert cs.kernel_checksums(parts, fields, "cpu", host=True, graphs=graphs) is None
-    assert graphs.done is None

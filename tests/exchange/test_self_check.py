@@ -473,18 +473,3 @@ def test_the_round_vouches_only_for_buffers_the_kernel_reads_by_address(monkeypa
     moved = run_emulated(2, fn, timeout=30)
     assert moved[0] > 0 and len(calls) == (2 if held == "none" else 4)
     assert all(placed is True and all(readable) and readable for placed, readable in calls), calls
-
-
-def test_the_next_window_waits_for_the_replay_s_own_event_else_the_round_s(monkeypatch):
-    """On CUDA the checked window's sums are waited for through the event its replayed launch
-    recorded after the copy back (`Graphs.done`); after a launch that did not replay, through an
-    event the round records itself; off CUDA through none."""
-    rnd = WindowRound(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=2, cost=COST, verify=1)
-    recorded = []
-    monkeypatch.setattr(rnd, "_recorded", lambda device: recorded.append(device) or "the round's")
-    cuda = torch.device("cuda", 0)
-    rnd._graphs.done = "the replay's"
-    assert rnd._waited_for(cuda) == "the replay's" and not recorded
-    rnd._graphs.done = None
-    assert rnd._waited_for(cuda) == "the round's" and recorded == [cuda]
-    assert rnd._waited_for(torch.device("cpu")) is None and recorded == [cuda]
