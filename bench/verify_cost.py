@@ -16,10 +16,17 @@ both by default; elsewhere `kernel` alone (there it is the torch ops).
 
   PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--inputs pinned|device] [--micro-batch 16]
                                            [--window 1] [--windows 200] [--paths kernel,torch] [--early-copy]
-                                           [--json F]
+                                           [--ablate] [--json F]
 
 --window: micro-batches per window (1, the default, is the smallest window: the check's fixed
 host cost per window weighs most there).
+
+--ablate: three more every-window rows, each with a part of the check left out, to read what
+that part costs inside a window (the median's difference from the every-window row) where timing
+the part itself cannot tell (a part run cold, between the window's other steps, costs more than
+alone): "no comparison" (the sums travel, nobody compares them), "no read-back" (nor are they read
+back and sent), "no launch" (the checksum calls return zeros at once: no launch block, no launch;
+the zeros are read back and compared). These rows check nothing.
 
 Prints one row per setting and path: median host ms per window, mean device ms per window (CUDA
 events), the ratio to off, and how many of the row's checksum calls the kernel served; then the
@@ -101,13 +108,42 @@ class Path:
         return got
 
 
-def rows_of(paths: list) -> list:
-    """(row name, verify, path name or None) of every row: off, then each checked setting per path."""
+ABLATED = ("no comparison", "no read-back", "no launch")  # --ablate: every window, a part left out
+
+
+def rows_of(paths: list, ablate: bool = False) -> list:
+    """(row name, verify, path name or None) of every row: off, then each checked setting per path,
+    then with `ablate` the ABLATED rows (every window, the first path)."""
     out = [("off", 0, None)]
     for name, n in SETTINGS.items():
         if n:
             out += [(name if len(paths) == 1 else f"{name} ({p})", n, p) for p in paths]
-    return out
+    return out + [(f"every window, {name}", 1, paths[0]) for name in ABLATED if ablate]
+
+
+def ablated(name: str, ex: WindowExchanger, path: "Path"):
+    """The row's checksum path, and `ex`'s round with the row's part of the check left out."""
+    rnd = ex.round
+    if name.endswith(("no comparison", "no read-back")):
+        rnd._compared = lambda frames: setattr(rnd, "_check", None)  # every comparison passes
+    if name.endswith("no read-back"):
+        rnd._check_words = lambda: None  # no sums in the frame: nothing to compare either
+    if name.endswith("no launch"):
+        return Zeros()
+    return path
+
+
+class Zeros(Path):
+    """A checksum path that sums nothing: zeros of the window's shape, on the host."""
+
+    def __init__(self):
+        super().__init__("zeros")
+
+    def __call__(self, parts, fields, device, **kw):
+        self.calls += 1
+        got = np.zeros((sum(c.shape[0] for _, c in parts), checksum.CHECKED_FIELDS), dtype=np.int64)
+        self.samples += got.shape[0]
+        return got
 
 
 def main():
@@ -126,6 +162,7 @@ def main():
                                                              "as they count it (early_copy=True)")
     p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
                                    "kernel elsewhere)")
+    p.add_argument("--ablate", action="store_true", help="every-window rows with a part of the check left out")
     p.add_argument("--json")
     args = p.parse_args()
     dev = torch.device(args.device)
@@ -146,11 +183,11 @@ def main():
     elif inputs == "device":
         batches = [syn.to_device(b, dev) for b in batches]
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
-    rows = rows_of(paths)
+    rows = rows_of(paths, args.ablate)
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
                                 window_size=args.window, device=dev, verify=n, early_copy=args.early_copy)
           for name, n, _ in rows}
-    impl = {name: Path(path or "kernel") for name, _, path in rows}
+    impl = {name: ablated(name, ex[name], Path(path or "kernel")) for name, _, path in rows}
     host = {name: [] for name in ex}
     device = {name: [] for name in ex}
     kept = {name: 0 for name in ex}  # slots kept as they are in windows that move samples (the check sums them once)
@@ -189,29 +226,32 @@ def main():
         out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
                               device_ratio=None if d is None else d / off_d, checksum_calls=impl[name].calls,
                               kernel_calls=impl[name].kernel, checksum_samples=impl[name].samples,
+                              summed_by=impl[name].name,
                               kept_slots=kept[name],
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)
     print(f"micro-batches: {inputs}{', copied early' if args.early_copy else ''}, {args.window} per window of "
           f"{args.micro_batch} samples")
-    print(f"{'self-check':24} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7} {'kernel sums':>12}")
+    w = max(24, *map(len, out_rows))  # the name column; and a part column per checked row
+    print(f"{'self-check':{w}} {'host ms':>9} {'x off':>7} {'device ms':>10} {'x off':>7} {'kernel sums':>12}")
     for name, r in out_rows.items():
         dms = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
         dra = "-" if r["device_ratio"] is None else f"{r['device_ratio']:.3f}"
-        print(f"{name:24} {r['host_ms']:9.3f} {r['host_ratio']:7.3f} {dms:>10} {dra:>7} "
+        print(f"{name:{w}} {r['host_ms']:9.3f} {r['host_ratio']:7.3f} {dms:>10} {dra:>7} "
               f"{r['kernel_calls']:>5}/{r['checksum_calls']:<6}")
     checked = [name for name, n, _ in rows if n]
-    print(f"\nhost µs per window, part by part: {'':4}" + "".join(f"{name:>22}" for name in checked))
+    print(f"\nhost µs per window, part by part: {'':4}" + "".join(f"{name:>{w + 2}}" for name in checked))
     for part in PARTS:
-        print(f"{part:38}" + "".join(f"{out_rows[name]['host_us_by_part'][part]:22.1f}" for name in checked))
+        print(f"{part:38}" + "".join(f"{out_rows[name]['host_us_by_part'][part]:{w + 2}.1f}" for name in checked))
     print(f"{'(median host time over off)':38}"
-          + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):22.1f}" for name in checked))
+          + "".join(f"{1e3 * (out_rows[name]['host_ms'] - off_h):{w + 2}.1f}" for name in checked))
     if cuda:
         print(f"checksum launches captured in CUDA graphs: {checksum._CAPTURE[0]}")
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(),
                captured=bool(cuda and checksum._CAPTURE[0]),
                inputs=inputs, early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch,
                seq_len=args.seq_len, features=args.features, mix=args.mix, windows=args.windows, paths=paths,
+               ablate=args.ablate,
                settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -273,6 +273,27 @@ def test_verify_cost_bench_sums_every_micro_batch_of_a_wider_window(tmp_path):
     assert res.returncode == 2 and "--window 9: expected 1 to 8 micro-batches" in res.stderr
 
 
+def test_verify_cost_bench_ablate_leaves_out_one_part_of_the_check_a_row(tmp_path):
+    """--ablate: every-window rows without the comparison, without the read-back (and so the
+    comparison), and without the launch (zeros summed, still read back and compared)."""
+    out = tmp_path / "verify.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
+           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1",
+           "--ablate", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())["settings"]
+    assert list(rows)[3:] == ["every window, no comparison", "every window, no read-back", "every window, no launch"]
+    parts = {name: r["host_us_by_part"] for name, r in rows.items() if r["verify"]}
+    assert parts["every window"]["comparison"] > 0 and parts["every window"]["read-back"] > 0
+    assert parts["every window, no comparison"]["comparison"] == 0 and parts["every window, no comparison"]["read-back"] > 0
+    assert parts["every window, no read-back"]["comparison"] == 0 and parts["every window, no read-back"]["read-back"] == 0
+    assert parts["every window, no launch"]["comparison"] > 0
+    assert rows["every window, no launch"]["checksum_calls"] >= 3 and rows["every window, no launch"]["checksum_samples"] > 0
+    assert [r["summed_by"] for r in rows.values()] == ["kernel"] * 5 + ["zeros"]
+
+
 def test_verify_cost_bench_refuses_gpu_inputs_without_a_gpu():
     """--inputs pinned / device need a CUDA device: refused by name before anything runs."""
     cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--inputs", "device"]
