@@ -1,13 +1,12 @@
-"""The self-check's checksum kernel alone, over its warps and lanes a program (num_warps, BLOCK),
-words a program (CHUNK) and the grid a launch strides with (4 or 16 programs a multiprocessor, the
-captured launch's; or one program each): device ms a window and GB/s of the buffers summed, on the
-window the round sums on CUDA (what a dp-1 rank read and what it assembled, W realistic Qwen-VL
-micro-batches on the GPU). Every variant's sums must equal the first's. CUDA only; it picks `checksum.BLOCK` and the grid of
+"""The self-check's checksum kernel alone, over its lanes a program (BLOCK), words a program (CHUNK)
+and the grid a launch strides with (4 or 16 programs a multiprocessor, the captured launch's; or one
+program each): device ms a window and GB/s of the buffers summed, on the window the round sums on
+CUDA (what a dp-1 rank read and what it assembled, W realistic Qwen-VL micro-batches on the GPU).
+Every variant's sums must equal the first's. CUDA only; it picks `checksum.BLOCK` and the grid of
 `checksum.Graphs`.
 
   PYTHONPATH=. python bench/checksum_kernel.py [--window 8] [--blocks 256,512,1024,2048]
-                                               [--chunks 4096,16384,65536] [--warps 4]
-                                               [--reps 20] [--json F]
+                                               [--chunks 4096,16384,65536] [--reps 20] [--json F]
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ def main():
     p.add_argument("--window", type=int, default=8, help="micro-batches per window")
     p.add_argument("--blocks", default="256,512,1024,2048")
     p.add_argument("--chunks", default="4096,16384,65536")
-    p.add_argument("--warps", default="4", help="warps a program, comma-separated")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json")
     args = p.parse_args()
@@ -70,15 +68,14 @@ def main():
     rows, want = [], None
     print(f"window of {args.window} micro-batches: {len(parts)} parts, {nbytes / 1e6:.1f} MB summed; "
           f"{sms} multiprocessors")
-    print(f"{'warps':>5} {'BLOCK':>6} {'CHUNK':>6} {'grid':>12} {'programs':>8} {'ms':>7} {'GB/s':>6}  same sums")
-    for warps, block, chunk in itertools.product(map(int, args.warps.split(",")), map(int, args.blocks.split(",")),
-                                                 map(int, args.chunks.split(","))):
+    print(f"{'BLOCK':>6} {'CHUNK':>6} {'grid':>12} {'programs':>8} {'ms':>7} {'GB/s':>6}  same sums")
+    for block, chunk in itertools.product(map(int, args.blocks.split(",")), map(int, args.chunks.split(","))):
         if chunk % block:
             continue
         words, programs, at = checksum.launch_block(parts, fields, None, chunk)
         data = torch.from_numpy(words.copy()).to(dev)
         consts = dict(SLOTS=checksum.CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, SAMPLES=at["samples"])
-        compiled = kernel.warmup(data, **consts, grid=(programs,), num_warps=warps)
+        compiled = kernel.warmup(data, **consts, grid=(programs,), num_warps=4)
         for name, grid in (("4 a SM", 4 * sms), ("16 a SM", 16 * sms), ("one each", programs)):
             def launch():
                 data[at["out_at"]:] = 0
@@ -96,11 +93,11 @@ def main():
             sums = data[at["out_at"]:].cpu()
             want = sums if want is None else want
             same = torch.equal(sums, want)
-            rows.append(dict(warps=warps, block=block, chunk=chunk, grid=name, programs=programs, launched=grid, ms=ms,
+            rows.append(dict(block=block, chunk=chunk, grid=name, programs=programs, launched=grid, ms=ms,
                              gb_per_s=nbytes / ms / 1e6, same=same))
-            print(f"{warps:5} {block:6} {chunk:6} {name:>12} {programs:8} {ms:7.3f} {nbytes / ms / 1e6:6.0f}  {same}")
+            print(f"{block:6} {chunk:6} {name:>12} {programs:8} {ms:7.3f} {nbytes / ms / 1e6:6.0f}  {same}")
     best = min(rows, key=lambda r: r["ms"])
-    print(f"fastest: {best['warps']} warps, BLOCK {best['block']}, CHUNK {best['chunk']}, {best['grid']}: {best['ms']:.3f} ms")
+    print(f"fastest: BLOCK {best['block']}, CHUNK {best['chunk']}, {best['grid']}: {best['ms']:.3f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(dev), commit=code_commit(), window=args.window,
