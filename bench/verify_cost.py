@@ -89,8 +89,9 @@ class Parts:
 
 
 class Path:
-    """A checksum path for the round, counting the window checksums it computes and those the
-    kernel served."""
+    """A checksum path for the round (`kernel`, `torch`, or `zeros`: nothing summed, zeros of the
+    window's shape on the host, for --ablate), counting the window checksums it computes and those
+    the kernel served."""
 
     def __init__(self, name: str):
         self.name, self.calls, self.kernel, self.samples = name, 0, 0, 0
@@ -100,6 +101,8 @@ class Path:
         got = checksum.kernel_checksums(parts, fields, device, **kw) if self.name == "kernel" else None
         if got is not None:
             self.kernel += 1
+        elif self.name == "zeros":
+            got = np.zeros((sum(c.shape[0] for _, c in parts), checksum.CHECKED_FIELDS), dtype=np.int64)
         else:  # as window_checksums does without the kernel: the sums to the host when the round asks
             got = checksum.torch_checksums(parts, fields)
             if kw.get("host"):
@@ -113,37 +116,23 @@ ABLATED = ("no comparison", "no read-back", "no launch")  # --ablate: every wind
 
 def rows_of(paths: list, ablate: bool = False) -> list:
     """(row name, verify, path name or None) of every row: off, then each checked setting per path,
-    then with `ablate` the ABLATED rows (every window, the first path)."""
+    then with `ablate` the ABLATED rows (every window; the first path, "zeros" for "no launch")."""
     out = [("off", 0, None)]
     for name, n in SETTINGS.items():
         if n:
             out += [(name if len(paths) == 1 else f"{name} ({p})", n, p) for p in paths]
-    return out + [(f"every window, {name}", 1, paths[0]) for name in ABLATED if ablate]
+    return out + [(f"every window, {name}", 1, "zeros" if name == "no launch" else paths[0])
+                  for name in ABLATED if ablate]
 
 
-def ablated(name: str, ex: WindowExchanger, path: "Path"):
-    """The row's checksum path, and `ex`'s round with the row's part of the check left out."""
+def leave_out(name: str, ex: WindowExchanger) -> None:
+    """`ex`'s round with the comparison, or the read-back and the comparison, left out when the row
+    `name` says so (an ABLATED row; "no launch" is its path)."""
     rnd = ex.round
     if name.endswith(("no comparison", "no read-back")):
         rnd._compared = lambda frames: setattr(rnd, "_check", None)  # every comparison passes
     if name.endswith("no read-back"):
         rnd._check_words = lambda: None  # no sums in the frame: nothing to compare either
-    if name.endswith("no launch"):
-        return Zeros()
-    return path
-
-
-class Zeros(Path):
-    """A checksum path that sums nothing: zeros of the window's shape, on the host."""
-
-    def __init__(self):
-        super().__init__("zeros")
-
-    def __call__(self, parts, fields, device, **kw):
-        self.calls += 1
-        got = np.zeros((sum(c.shape[0] for _, c in parts), checksum.CHECKED_FIELDS), dtype=np.int64)
-        self.samples += got.shape[0]
-        return got
 
 
 def main():
@@ -187,7 +176,9 @@ def main():
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
                                 window_size=args.window, device=dev, verify=n, early_copy=args.early_copy)
           for name, n, _ in rows}
-    impl = {name: ablated(name, ex[name], Path(path or "kernel")) for name, _, path in rows}
+    for name in ex:
+        leave_out(name, ex[name])
+    impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
     device = {name: [] for name in ex}
     kept = {name: 0 for name in ex}  # slots kept as they are in windows that move samples (the check sums them once)
@@ -226,7 +217,6 @@ def main():
         out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
                               device_ratio=None if d is None else d / off_d, checksum_calls=impl[name].calls,
                               kernel_calls=impl[name].kernel, checksum_samples=impl[name].samples,
-                              summed_by=impl[name].name,
                               kept_slots=kept[name],
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)

@@ -291,7 +291,7 @@ def test_verify_cost_bench_ablate_leaves_out_one_part_of_the_check_a_row(tmp_pat
     assert parts["every window, no read-back"]["comparison"] == 0 and parts["every window, no read-back"]["read-back"] == 0
     assert parts["every window, no launch"]["comparison"] > 0
     assert rows["every window, no launch"]["checksum_calls"] >= 3 and rows["every window, no launch"]["checksum_samples"] > 0
-    assert [r["summed_by"] for r in rows.values()] == ["kernel"] * 5 + ["zeros"]
+    assert [r["path"] for r in rows.values()] == [None] + ["kernel"] * 4 + ["zeros"]
 
 
 def test_verify_cost_bench_refuses_gpu_inputs_without_a_gpu():
