@@ -7,8 +7,9 @@ with the kernel summing both sides, a byte the executor flips is caught at the n
 window returns with a long kernel still queued ahead of it (no wait for the device); the sums to the
 host through captured launches (`checksum.Graphs`) equal too; pinned sources dropped right after the
 call while the device lags are held until the kernel has read them; and the kernel
-compiled once (the input's offsets multiples of 16 and not); and the kernel's first window in the
-process, compared with the torch ops while the device lags, keeps the kernel.
+compiled once (the input's offsets multiples of 16 and not); the kernel's first window in the
+process, compared with the torch ops while the device lags, keeps the kernel; and checked windows
+on alternating streams, each behind a long kernel there, read their own sums.
 
   python functional_tests/checksum_cuda.py [--windows 200]
   TRITON_INTERPRET=1 python functional_tests/checksum_cuda.py --rehearse --windows 10   # on the CPU
@@ -380,6 +381,43 @@ def check_no_wait(args, dev) -> int:
     return bad
 
 
+def check_side_streams(args, dev) -> int:
+    """Checked windows run on whichever stream is current: windows alternate between the default
+    stream and a side stream (`torch.cuda.stream`), each behind a kernel queued ahead of it there
+    (`torch.cuda._sleep`). Each window's event must be recorded on that window's stream
+    (`keepalive.current_stream`): one recorded on another stream completes before the sums are
+    copied back, and the next window reads stale sums (a mismatch). Not on the CPU."""
+    if args.rehearse:
+        print("side-stream check: not on the CPU (no device stream)", flush=True)
+        return 0
+    from reorder.batch.keepalive import current_stream
+
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    rng, side, wrong, raised, moved = np.random.default_rng(5), torch.cuda.Stream(dev), 0, 0, 0
+    ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, device=dev, window_size=2,
+                         verify=1)
+    k = 0
+    try:
+        for k in range(12):
+            g = [syn.to_device(syn.make_global_batch(rng, 8, 512, features=24, mix="small",
+                                                     first_id=16 * k + 8 * i), dev) for i in range(2)]
+            stream = side if k % 2 else torch.cuda.default_stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                wrong += int(current_stream(dev).cuda_stream != stream.cuda_stream)
+                torch.cuda._sleep(20_000_000)  # ~10 ms ahead of the window on its stream
+                _, report = ex.exchange(g)
+                moved += int((report.orders != np.arange(report.orders.shape[1])).any())
+            torch.cuda.current_stream(dev).wait_stream(stream)
+        ex.exchange([])
+    except ReorderError as e:
+        raised = 1
+        print(f"side-stream check: window {k} raised: {e}", flush=True)
+    print(f"side-stream check: 12 windows on alternating streams, {'a mismatch' if raised else 'no mismatch'}; "
+          f"current stream wrong in {wrong}; windows reordered: {moved}", flush=True)
+    return wrong + raised + int(not moved)
+
+
 def compiled_variants(kernel) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
@@ -401,7 +439,8 @@ def main() -> int:
         dev = torch.device("cuda", torch.cuda.current_device())
     offsets = set()
     bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_held_sources(args, dev)
-           + check_exchanges(args, dev) + check_torch_exchanges(args, dev) + check_no_wait(args, dev))
+           + check_exchanges(args, dev) + check_torch_exchanges(args, dev) + check_no_wait(args, dev)
+           + check_side_streams(args, dev))
     from reorder.batch.triton_checksum import checksum_window
 
     variants = 1 if args.rehearse else compiled_variants(checksum_window)

@@ -27,13 +27,14 @@ import functools
 import itertools
 import logging
 import mmap
+import operator
 import os
 import struct
 
 import numpy as np
 import torch
 
-from reorder.batch.keepalive import KeepAlive
+from reorder.batch.keepalive import KeepAlive, current_stream
 from reorder.plan.checksums import CHECKED_FIELDS, field_salt, field_slot, word_width
 from reorder.plan.counts import COLUMNS, SampleCounts
 
@@ -209,7 +210,8 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     program). placed: the caller vouches that every buffer given is one the kernel reads by address
     (contiguous, on `device` or in pinned host memory; interpreted: on the CPU), so none is asked
     (host time a buffer); else each is, and the others are summed with torch ops."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if not interpret and (device.type != "cuda" or _INTERPRETER):
         return None  # (an interpreted kernel would read the table's device addresses on the host)
     if device.type == "cuda" and device.index is None:
@@ -258,12 +260,12 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
                     if host:  # the whole block back into its own words: one copy, no slice of the device block
                         data = on_host.copy_(data, non_blocking=True)
                 if programs:
-                    read = (t for bufs, _ in parts for t in bufs) if readable is None else \
-                        (t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok)
-                    held = [t for t in read if t is not None and not t.is_cuda]
+                    held = [t for bufs, _ in parts for t in bufs if t is not None and not t.is_cuda] \
+                        if readable is None else \
+                        [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
                     # every launch lets go of the holds that are done, one with nothing to hold too:
                     # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
-                    _HELD.hold(held, torch.cuda.current_stream(device) if held else None)
+                    _HELD.hold(held, current_stream(device) if held else None)
     except Exception as e:  # e.g. no Triton compiler for this GPU: the torch ops sum from now on
         _KERNEL[0] = None
         log.warning("reorder: the Triton checksum kernel failed (%s: %s); the self-check sums with torch "
@@ -437,49 +439,62 @@ def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
     holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the
     kernel reads it when `readable[part][field]` (a buffer it does not read may be None; readable
     None: every buffer that is not None), in programs of `chunk` words over its bytes. The host
-    writes what it holds: two reads a buffer (address, size), the header, programs, rows and field
-    rows (made once per layout) packed in one call, then the counts and the zero output words (they
-    come last) as two array writes, whatever the window's micro-batches and samples; the device
-    cuts the work. `alloc(size)` gives the int64 array to fill (default np.empty). parts: at least
-    one."""
-    rows, widths = _field_constants(tuple(fields))
+    writes what it holds: two reads a buffer (address, size) into the rows laid out once per
+    layout and part sizes (`_block_plan`), the header, programs, rows and field rows packed in one
+    call, then the counts and the zero output words (they come last) as two array writes, whatever
+    the window's micro-batches and samples; the device cuts the work. `alloc(size)` gives the int64
+    array to fill (default np.empty). parts: at least one."""
+    fields = tuple(fields)
     nf = len(fields)
     for p, (held, _) in enumerate(parts):
         if len(held) != nf:
             raise ValueError(f"part {p} has {len(held)} buffers for {nf} fields")
-    flat = [t for held, _ in parts for t in held]
     tables = [c.table for _, c in parts]
-    n = [len(t) for t in tables]
-    if readable is None:
-        sizes = [0 if t is None else t.nbytes for t in flat]
-    else:
-        sizes = [t.nbytes if ok else 0 for t, ok in zip(flat, itertools.chain.from_iterable(readable))]
-    first = [0, *itertools.accumulate(-(-(s // w) // chunk) for s, w in zip(sizes, widths * len(parts)))]
-    row0 = [0, *itertools.accumulate(n)]
-    bufs = [0] * (4 * len(flat))  # rows (address, bytes, first sample, samples), filled column by column
+    adds, divs, bufs, rows, head, at, pack, samples = _block_plan(fields, tuple(map(len, tables)), chunk)
+    bufs = bufs.copy()
+    flat = [t for held, _ in parts for t in held]
     bufs[0::4] = [0 if t is None else t.data_ptr() for t in flat]
-    bufs[1::4] = sizes
+    if readable is None:
+        bufs[1::4] = sizes = [0 if t is None else t.nbytes for t in flat]
+    else:
+        bufs[1::4] = sizes = [t.nbytes if ok else 0 for t, ok in zip(flat, itertools.chain.from_iterable(readable))]
+    # a buffer's programs: ceil(words / chunk) = (bytes + w (chunk - 1)) // (w chunk), w its word
+    # width (a last partial word is not read), with no Python step a buffer
+    first = list(itertools.accumulate(map(operator.floordiv, map(operator.add, sizes, adds), divs), initial=0))
+    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + samples * CHECKED_FIELDS)
+    # everything the host knows as Python ints in one call; the counts and the zero sums as arrays
+    pack.pack_into(out, 0, *head, *first, *bufs, *rows)
+    out[at["counts_at"]:at["out_at"]] = np.concatenate(tables).ravel() if len(tables) > 1 else tables[0].ravel()
+    out[at["out_at"]:] = 0
+    return out, first[-1], at
+
+
+@functools.lru_cache(maxsize=256)
+def _block_plan(fields: tuple, samples: tuple, chunk: int) -> tuple:
+    """What a launch block holds for `fields` over parts of `samples` samples each, whatever their
+    buffers: every buffer's w (chunk - 1) and w chunk (w: its word width; `launch_block` counts its
+    programs with them), the buffer rows with their first sample and samples filled
+    in (address and bytes: 0), the field rows, the header, the packing of the header, programs, rows
+    and field rows, the offsets (`launch_block`'s dict) and the window's samples. The same every window of a
+    layout and part sizes: made once."""
+    rows, widths = _field_constants(fields)
+    nf, parts = len(fields), len(samples)
+    buffers, row0 = nf * parts, [0, *itertools.accumulate(samples)]
+    bufs = [0] * (4 * buffers)  # rows (address, bytes, first sample, samples), filled column by column
     bufs[2::4] = [r for r in row0[:-1] for _ in range(nf)]
-    bufs[3::4] = [m for m in n for _ in range(nf)]
-    buffers, samples = len(flat), row0[-1]
+    bufs[3::4] = [m for m in samples for _ in range(nf)]
     at = {"programs_at": _HEADER}
     at["bufs_at"] = _HEADER + buffers + 1
     at["fields_at"] = at["bufs_at"] + 4 * buffers
     at["counts_at"] = at["fields_at"] + len(rows)
-    at["out_at"] = at["counts_at"] + samples * len(COLUMNS)
-    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + samples * CHECKED_FIELDS)
-    # everything the host knows as Python ints in one call; the counts and the zero sums as arrays
-    _int64s(at["counts_at"]).pack_into(out, 0, buffers, nf, *at.values(), len(COLUMNS), *first, *bufs, *rows)
-    out[at["counts_at"]:at["out_at"]] = np.concatenate(tables).ravel() if len(tables) > 1 else tables[0].ravel()
-    out[at["out_at"]:] = 0
+    at["out_at"] = at["counts_at"] + row0[-1] * len(COLUMNS)
+    head = (buffers, nf, *at.values(), len(COLUMNS))
     # SAMPLES a power of two, at least 16: one compiled variant for most windows
-    return out, first[-1], dict(at, samples=1 << (max(16, *n) - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=256)
-def _int64s(count: int) -> struct.Struct:
-    """The packing of `count` native int64 words."""
-    return struct.Struct(f"={count}q")
+    at["samples"] = 1 << (max(16, *samples) - 1).bit_length()
+    pack = struct.Struct(f"={at['counts_at']}q")
+    widths = widths * parts
+    return ([w * (chunk - 1) for w in widths], [w * chunk for w in widths], bufs, rows, head, at, pack,
+            row0[-1])
 
 
 _HEADER = 8  # the block's header words: buffers, fields, the five offsets, the counts' columns

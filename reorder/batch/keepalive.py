@@ -16,6 +16,24 @@ import threading
 import torch
 
 
+def current_stream(device: torch.device | int):
+    """`torch.cuda.current_stream(device)` (a CUDA device with its index, or the index), the Stream object made once
+    per stream: making one costs several µs of host time (more inside a window, run cold), asking
+    for the current stream's handle a fraction of one. The object is looked up by that handle, so a
+    stream set with `torch.cuda.stream(...)` is the one returned."""
+    index = device if isinstance(device, int) else device.index
+    raw = torch._C._cuda_getCurrentRawStream(index)
+    stream = _STREAMS.get((index, raw))
+    if stream is None:
+        if len(_STREAMS) >= 64:  # a caller that makes streams without end: forget the old ones
+            _STREAMS.clear()
+        stream = _STREAMS[(index, raw)] = torch.cuda.current_stream(index)
+    return stream
+
+
+_STREAMS = {}  # (device index, raw stream handle) -> its torch.cuda.Stream
+
+
 class KeepAlive:
     """Tensors held until a CUDA event recorded after their launch completes; completed entries are
     let go, in launch order, at every later `hold` and all of them at `wait`. Locked: one holder may

@@ -27,7 +27,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from reorder.batch.keepalive import KeepAlive
+from reorder.batch.keepalive import KeepAlive, current_stream
 from reorder.plan.segments import Segments
 
 log = logging.getLogger("reorder")
@@ -264,7 +264,7 @@ class TritonExecutor:
                 keep = [t for t in sources if not t.is_cuda] if held is None else \
                     [t for t, h in zip(sources, held, strict=True) if h]
                 if keep:
-                    self.alive.hold(keep, torch.cuda.current_stream(device))
+                    self.alive.hold(keep, current_stream(device))
         except Exception as e:  # e.g. no Triton compiler for this GPU: nothing was copied yet
             self._fallback = TorchExecutor()
             log.warning("reorder: the Triton copy kernel failed (%s: %s); segment copies run the torch "

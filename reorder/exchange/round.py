@@ -31,6 +31,7 @@ import torch
 
 from reorder.batch.checksum import Graphs, window_checksums
 from reorder.batch.counting import count_samples
+from reorder.batch.keepalive import current_stream
 from reorder.batch.blocks import byte_fields, empty_shard, field_buffers, read_lists, resolved, unit_bytes
 from reorder.batch.layout import (LayoutError, describe, field_at, first_difference, grid_thw_of, rebuild, unify,
                                   window_layout)
@@ -153,6 +154,7 @@ class WindowRound:
         self.backoff = Backoff(gate_backoff)
         self.verify = verify
         self._sum_words = 2 * CHECKED_FIELDS if verify else 0  # per sample: the sender's sums, the receiver's
+        self._sums_at = self._sum_index() if verify else None
         self._windows = 0  # windows read so far (planned or skipped): the self-check's schedule
         self._check = None  # the last checked window's sums, sent in the next window frame
         self._graphs = Graphs()  # the checksum launches, captured (on CUDA): their sums are read a window later
@@ -530,7 +532,10 @@ class WindowRound:
                                 placed=True).reshape(len(parts) + len(late), -1, CHECKED_FIELDS)
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
-        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], layout=now.layout,
+        w, (sent_at, got_at, first) = len(rows), self._sums_at
+        orders = now.plan.orders[:w]
+        return _Check(window=self._windows - 1, orders=orders, layout=now.layout, sent_at=sent_at[orders + first[:w]],
+                      got_at=got_at[:w],
                       sums=(now.sent, sums[len(parts):] if late else None, sums), rows=rows,
                       event=self._recorded(dev) if dev.type == "cuda" else None)
 
@@ -551,10 +556,9 @@ class WindowRound:
         mismatch, else None) is the same on every rank."""
         check, self._check = self._check, None
         b, f = self.local_batch, CHECKED_FIELDS
-        sums = wire.sums_of(frames, len(check.orders), b, len(COLUMNS), self._sum_words)  # [W, B, 2F]
-        sent, got = sums[..., :f], sums[..., f:]
-        want = sent[np.arange(len(check.orders))[:, None], check.orders]  # output position p: its natural sample
-        if np.array_equal(got, want):
+        flat = frames.ravel()
+        got, want = flat[check.got_at], flat[check.sent_at]  # [W, B, F]: output position p, its natural sample's
+        if (got == want).all():
             return None
         bad = np.argwhere(got != want)
         s, p, slot = (int(x) for x in bad[0])
@@ -565,6 +569,18 @@ class WindowRound:
                 f"the sample of natural position {i} (read by rank {i // b}), and it differs in field {field!r} from "
                 f"what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
 
+    def _sum_index(self) -> tuple:
+        """Where the gathered window frames [dp, words], flattened, hold each sample's sums: (the
+        sender's, [window_size * B, F], natural position s * B + i of slot s at row s * B + i; the
+        receiver's, [window_size, B, F], output position p of each slot; s * B per slot s,
+        [window_size, 1]). Fixed by the config: made once."""
+        shape = (self.grid.dp, wire.window_words(self.window_size, self.local_batch, len(COLUMNS), self._sum_words))
+        at = wire.sums_of(np.arange(shape[0] * shape[1]).reshape(shape), self.window_size, self.local_batch,
+                          len(COLUMNS), self._sum_words)
+        b = self.micro_batch_size
+        return (at[..., :CHECKED_FIELDS].reshape(-1, CHECKED_FIELDS), at[..., CHECKED_FIELDS:],
+                np.arange(0, self.window_size * b, b)[:, None])
+
     def _recorded(self, device: torch.device):
         """The round's event on `device`, recorded on its current stream (after the work enqueued there
         so far). One event a device serves every window: the next window waits for it (`_check_words`)
@@ -572,7 +588,7 @@ class WindowRound:
         event = self._events.get(device)
         if event is None:
             event = self._events[device] = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
+        event.record(current_stream(device))
         return event
 
     # ---- windows the gate backoff skips -----------------------------------------------------------
@@ -624,11 +640,15 @@ class _Check:
     that summed the others; host arrays [parts, B/dp, CHECKED_FIELDS]; the sender's are the first
     two added), rows (per slot, the part holding its assembled sums), the event after which they
     are readable (None when no device wrote them), the window's canonical orders [W, B] and its
-    layout (the field names of an error)."""
+    layout (the field names of an error), and where the gathered frames, flattened, hold the sums
+    compared [W, B, F]: at output position p, the sender's of its natural sample (sent_at) and the
+    receiver's (got_at)."""
 
     window: int
     orders: np.ndarray
     layout: object
+    sent_at: np.ndarray
+    got_at: np.ndarray
     sums: tuple
     rows: list
     event: object

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from reorder.batch import checksum as cs
 from reorder.batch.checksum import checksums
-from reorder.plan.checksums import CHECKED_FIELDS
+from reorder.plan.checksums import CHECKED_FIELDS, word_width
 from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.moves import ByteField
 
@@ -679,3 +679,21 @@ def test_the_counts_of_every_sample_part_after_part(most, samples):
     assert block[at["counts_at"]:at["out_at"]].reshape(n, c).tolist() == np.concatenate([a.table, b.table]).tolist()
     assert block[at["out_at"]:].tolist() == [0] * n * CHECKED_FIELDS and len(block) == at["out_at"] + n * CHECKED_FIELDS
     assert (block[0], block[1], block[7], at["samples"]) == (4, 2, c, samples)  # buffers, fields, columns
+
+
+@settings(max_examples=200, deadline=None)
+@given(units=st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), min_size=1, max_size=4),
+       sizes=st.lists(st.integers(0, 4096), min_size=8, max_size=8), chunk=st.sampled_from([4, 8, 16, 64]),
+       parts=st.integers(1, 2))
+def test_a_buffer_takes_a_program_per_chunk_of_its_whole_words(units, sizes, chunk, parts):
+    """Buffer b of s bytes and w-byte words (its field's word width) takes ceil(floor(s / w) / chunk)
+    programs, the first programs being their running sum; whatever the fields and parts."""
+    fields = tuple(ByteField("dense", 1, u) for u in units)
+    counts = SampleCounts.of(rows=np.zeros(1, np.int64))
+    bufs = iter(sizes * 2)
+    given_parts = [([torch.zeros(next(bufs), dtype=torch.uint8) for _ in fields], counts) for _ in range(parts)]
+    block, programs, at = cs.launch_block(given_parts, fields, None, chunk)
+    widths = [word_width("dense", u) for u in units] * parts
+    want = [-(-(t.nbytes // w) // chunk) for (held, _) in given_parts for t in held for w in [widths.pop(0)]]
+    assert block[at["programs_at"]:at["bufs_at"]].tolist() == [0, *np.cumsum(want).tolist()]
+    assert programs == sum(want)

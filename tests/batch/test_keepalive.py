@@ -72,3 +72,39 @@ def test_one_holder_serves_launches_of_several_streams(events):
     events[0].done = True
     alive.hold(c, "s2")                                    # the first launch is done: let go of a
     assert [(e.stream, t) for e, t in alive._pending] == [("s1", b), ("s2", c)]
+
+
+def test_the_current_stream_is_looked_up_by_its_handle_and_made_once_per_stream(monkeypatch):
+    """`current_stream` returns torch's current stream of the device, made once per (device, handle):
+    the same object while the handle stays, another once the current stream changes (as under
+    `torch.cuda.stream`), the first again when it comes back; a device index and a device alike."""
+    current = {0: 11, 1: 21}  # device index -> its current stream's handle
+    made = []
+
+    def make(index):
+        made.append((index, current[index]))
+        return ("stream", index, current[index])
+
+    monkeypatch.setattr(keepalive, "_STREAMS", {})
+    monkeypatch.setattr(keepalive.torch._C, "_cuda_getCurrentRawStream", lambda index: current[index], raising=False)
+    monkeypatch.setattr(keepalive.torch.cuda, "current_stream", make)
+    first = keepalive.current_stream(0)
+    assert first == ("stream", 0, 11) and keepalive.current_stream(torch.device("cuda", 0)) is first
+    current[0] = 12
+    assert keepalive.current_stream(0) == ("stream", 0, 12)
+    assert keepalive.current_stream(1) == ("stream", 1, 21)
+    current[0] = 11
+    assert keepalive.current_stream(0) is first and made == [(0, 11), (0, 12), (1, 21)]
+
+
+def test_streams_made_without_end_are_forgotten_past_64(monkeypatch):
+    handle = [0]
+    monkeypatch.setattr(keepalive, "_STREAMS", {})
+    monkeypatch.setattr(keepalive.torch._C, "_cuda_getCurrentRawStream", lambda index: handle[0], raising=False)
+    monkeypatch.setattr(keepalive.torch.cuda, "current_stream", lambda index: object())
+    for handle[0] in range(64):
+        keepalive.current_stream(0)
+    assert len(keepalive._STREAMS) == 64
+    handle[0] = 64
+    keepalive.current_stream(0)
+    assert list(keepalive._STREAMS) == [(0, 64)]

@@ -258,6 +258,26 @@ def test_a_checked_window_s_sums_travel_in_the_next_frame():
     assert (sums[:, CHECKED_FIELDS:] == want[report.orders[0]]).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(dp=st.integers(1, 4), local=st.integers(1, 3), window=st.integers(1, 3), data=st.data())
+def test_the_compared_sums_are_those_the_frames_carry_for_each_output_position(dp, local, window, data):
+    """The round compares, per output position p of slot s, the receiver's sums there with the
+    sender's sums of its natural sample orders[s, p], taking both from the gathered frames through
+    indices made once (`_sum_index`): they equal `wire.sums_of`'s, whatever the world and window."""
+    b = dp * local
+    rd = WindowRound(grid=Grid(size=dp, dp=dp, rank=0), micro_batch_size=b, cost=COST, window_size=window, verify=1)
+    words = wire.window_words(window, local, len(COLUMNS), 2 * CHECKED_FIELDS)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    frames = rng.integers(-2**62, 2**62, size=(dp, words))
+    w = data.draw(st.integers(1, window))
+    orders = np.stack([rng.permutation(b) for _ in range(w)])
+    sent_at, got_at, first = rd._sums_at
+    sums = wire.sums_of(frames, w, local, len(COLUMNS), 2 * CHECKED_FIELDS)
+    flat = frames.ravel()
+    assert (flat[got_at[:w]] == sums[..., CHECKED_FIELDS:]).all()
+    assert (flat[sent_at[orders + first[:w]]] == sums[np.arange(w)[:, None], orders, :CHECKED_FIELDS]).all()
+
+
 class TestMessage(expecttest.TestCase):
     def test_the_error_names_window_holder_sample_field_and_reader(self):
         res = stream({"vision": 2, "language": 4}, seed=13, faulty=("language", 3), fault="flip")
