@@ -450,7 +450,13 @@ def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
         if len(held) != nf:
             raise ValueError(f"part {p} has {len(held)} buffers for {nf} fields")
     tables = [c.table for _, c in parts]
-    adds, divs, bufs, rows, head, at, pack, samples = _block_plan(fields, tuple(map(len, tables)), chunk)
+    key = (fields, tuple(map(len, tables)), chunk)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 256:  # layouts and part sizes without end: forget the old ones
+            _PLANS.clear()
+        plan = _PLANS[key] = _block_plan(*key)
+    adds, divs, bufs, rows, head, at, pack, samples = plan
     bufs = bufs.copy()
     flat = [t for held, _ in parts for t in held]
     bufs[0::4] = [0 if t is None else t.data_ptr() for t in flat]
@@ -469,7 +475,9 @@ def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
     return out, first[-1], at
 
 
-@functools.lru_cache(maxsize=256)
+_PLANS = {}  # (fields, samples per part, chunk) -> its `_block_plan`
+
+
 def _block_plan(fields: tuple, samples: tuple, chunk: int) -> tuple:
     """What a launch block holds for `fields` over parts of `samples` samples each, whatever their
     buffers: every buffer's w (chunk - 1) and w chunk (w: its word width; `launch_block` counts its

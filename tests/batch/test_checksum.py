@@ -697,3 +697,27 @@ def test_a_buffer_takes_a_program_per_chunk_of_its_whole_words(units, sizes, chu
     want = [-(-(t.nbytes // w) // chunk) for (held, _) in given_parts for t in held for w in [widths.pop(0)]]
     assert block[at["programs_at"]:at["bufs_at"]].tolist() == [0, *np.cumsum(want).tolist()]
     assert programs == sum(want)
+
+
+def test_a_block_s_layout_is_made_once_per_fields_and_part_sizes_and_forgotten_past_256(monkeypatch):
+    """`launch_block` lays out a block's fixed parts once per (fields, samples per part, chunk): the
+    same layout is looked up, not made again; past 256 of them (part sizes without end) the old ones
+    are forgotten."""
+    monkeypatch.setattr(cs, "_PLANS", {})
+    made = []
+    plan = cs._block_plan
+    monkeypatch.setattr(cs, "_block_plan", lambda *key: made.append(key) or plan(*key))
+    fields = (ByteField("dense", 1, 8),)
+
+    def block(n):
+        counts = SampleCounts.of(rows=np.zeros(n, np.int64))
+        return cs.launch_block([([torch.zeros(8 * n, dtype=torch.uint8)], counts)], fields, None, 16)
+
+    first = block(3)
+    again = block(3)
+    assert made == [(fields, (3,), 16)] and first[1:] == again[1:]
+    for n in range(4, 259):
+        block(n)
+    assert len(cs._PLANS) == 256 and len(made) == 256
+    block(259)
+    assert list(cs._PLANS) == [(fields, (259,), 16)]
