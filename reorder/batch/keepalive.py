@@ -36,23 +36,29 @@ _STREAMS = {}  # (device index, raw stream handle) -> its torch.cuda.Stream
 
 class KeepAlive:
     """Tensors held until a CUDA event recorded after their launch completes; completed entries are
-    let go, in launch order, at every later `hold` and all of them at `wait`. Locked: one holder may
-    serve several threads (an overlap worker launches too)."""
+    let go, in launch order, at every later `hold` and all of them at `wait`. Their events are
+    recorded again by later holds: making and destroying an event costs host time a launch (two
+    driver calls), recording a done one again does not. Locked: one holder may serve several
+    threads (an overlap worker launches too)."""
 
     def __init__(self):
-        self._pending = collections.deque()  # (event, tensors), in launch order
+        self._pending = collections.deque()  # (stream's device index, event, tensors), in launch order
+        self._done = {}  # device index of the stream -> events whose work has completed, recorded again there
         self._lock = threading.Lock()
 
     def hold(self, tensors: list, stream) -> None:
         """Keep `tensors` until the work queued so far on `stream` is done (no event when there is
         nothing to keep, and then `stream` may be None); let go of those whose launches have completed."""
         with self._lock:
-            while self._pending and self._pending[0][0].query():
-                self._pending.popleft()
+            while self._pending and self._pending[0][1].query():
+                self._let_go()
             if tensors:
-                event = torch.cuda.Event()
+                # an event is recorded on streams of the device it was first recorded on only
+                device = getattr(stream, "device_index", None)
+                done = self._done.get(device)
+                event = done.pop() if done else torch.cuda.Event()
                 event.record(stream)
-                self._pending.append((event, tensors))
+                self._pending.append((device, event, tensors))
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -61,4 +67,10 @@ class KeepAlive:
         """Block until every held tensor's work is done, then let them go."""
         with self._lock:
             while self._pending:
-                self._pending.popleft()[0].synchronize()
+                self._pending[0][1].synchronize()
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """Let go of the first entry (its work is done) and keep its event for a later hold."""
+        device, event, _ = self._pending.popleft()
+        self._done.setdefault(device, []).append(event)

@@ -21,8 +21,8 @@ class FakeEvent:
         self.done, self.stream = False, None
         FakeEvent.made.append(self)
 
-    def record(self, stream):
-        self.stream = stream
+    def record(self, stream):  # recorded again: pending until the test completes it
+        self.stream, self.done = stream, False
 
     def query(self):
         return self.done
@@ -68,10 +68,39 @@ def test_one_holder_serves_launches_of_several_streams(events):
     alive.hold(a, "s0")
     alive.hold([], "s0")                                   # nothing to hold: no event
     alive.hold(b, "s1")
-    assert [(e.stream, t) for e, t in alive._pending] == [("s0", a), ("s1", b)]
+    assert [(e.stream, t) for _, e, t in alive._pending] == [("s0", a), ("s1", b)]
     events[0].done = True
     alive.hold(c, "s2")                                    # the first launch is done: let go of a
-    assert [(e.stream, t) for e, t in alive._pending] == [("s1", b), ("s2", c)]
+    assert [(e.stream, t) for _, e, t in alive._pending] == [("s1", b), ("s2", c)]
+
+
+class FakeStream:
+    def __init__(self, device_index):
+        self.device_index = device_index
+
+
+def test_a_done_event_is_recorded_again_on_its_device_and_a_pending_one_never(events):
+    """A hold records an event whose work is done (let go of by a hold or by `wait`) instead of
+    making one, on streams of the device it was recorded on; a pending event is never recorded
+    again; each device has its own."""
+    alive = KeepAlive()
+    s0, s1 = FakeStream(0), FakeStream(1)
+    alive.hold([torch.zeros(1)], s0)
+    alive.hold([torch.zeros(1)], s0)                       # the first is pending: a second event
+    assert len(events) == 2
+    events[0].done = True
+    alive.hold([torch.zeros(1)], s0)                       # the first is done: recorded again
+    assert len(events) == 2 and [e for _, e, _ in alive._pending] == [events[1], events[0]]
+    assert events[0].stream is s0
+    events[1].done = True
+    alive.hold([torch.zeros(1)], s1)                       # device 0's done event is not recorded on device 1
+    assert len(events) == 3 and events[2].stream is s1
+    alive.wait()                                           # every event done: device 0's two, device 1's one
+    alive.hold([torch.zeros(1)], s1)
+    alive.hold([torch.zeros(1)], s0)
+    alive.hold([torch.zeros(1)], s0)
+    assert len(events) == 3 and alive._done == {0: [], 1: []}
+    assert [(e, e.stream) for _, e, _ in alive._pending] == [(events[2], s1), (events[0], s0), (events[1], s0)]
 
 
 def test_the_current_stream_is_looked_up_by_its_handle_and_made_once_per_stream(monkeypatch):
