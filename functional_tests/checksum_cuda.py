@@ -170,9 +170,9 @@ def check_host_sums(parts, fields, dev, kernel, want, far: bool) -> int:
 def check_held_sources(args, dev) -> int:
     """Pinned sources dropped right after the call, with the device lagging, and new pinned buffers
     of the same sizes filled at once (the caching host allocator hands a freed block out again at
-    once unless something holds it): the sums, uncaptured and through captured launches, are those
-    of the dropped sources' bytes, and no new buffer got a dropped one's block before the kernel
-    ran. Returns the number of wrong windows."""
+    once unless something holds it): the sums, uncaptured and through captured launches, with the
+    buffers asked or vouched for (`placed`), are those of the dropped sources' bytes, and no new
+    buffer got a dropped one's block before the kernel ran. Returns the number of wrong windows."""
     if dev.type != "cuda":
         return 0
     rng, bad, reused, graphs = np.random.default_rng(7), 0, 0, cs.Graphs()
@@ -184,7 +184,9 @@ def check_held_sources(args, dev) -> int:
         want = cs.torch_checksums([(host, counts)], fields)
         pinned = [t.pin_memory() for t in host]
         torch.cuda._sleep(50_000_000)
-        got = cs.kernel_checksums([(pinned, counts)], fields, dev, host=True, graphs=graphs if k % 2 else None)
+        # captured or not; the buffers asked whether the kernel reads them, or vouched for (`placed`, the round's)
+        got = cs.kernel_checksums([(pinned, counts)], fields, dev, host=True, graphs=graphs if k % 2 else None,
+                                  placed=k % 4 >= 2)
         blocks = {t.data_ptr() for t in pinned}
         del pinned
         fresh = [torch.empty(t.shape, dtype=torch.uint8, pin_memory=True).fill_(0x5A) for t in host]
