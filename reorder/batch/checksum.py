@@ -481,9 +481,9 @@ _PLANS = {}  # (fields, samples per part, chunk) -> its `_block_plan`
 def _block_plan(fields: tuple, samples: tuple, chunk: int) -> tuple:
     """What a launch block holds for `fields` over parts of `samples` samples each, whatever their
     buffers: every buffer's w (chunk - 1) and w chunk (w: its word width; `launch_block` counts its
-    programs with them), the buffer rows with their first sample and samples filled
-    in (address and bytes: 0), the field rows, the header, the packing of the header, programs, rows
-    and field rows, the offsets (`launch_block`'s dict) and the window's samples. The same every window of a
+    programs with them), the buffer rows with their first sample and samples filled in (address
+    and bytes: 0), the field rows, the header, the packing of the header, programs, rows and field
+    rows, the offsets (`launch_block`'s dict) and the window's samples. The same every window of a
     layout and part sizes: made once."""
     rows, widths = _field_constants(fields)
     nf, parts = len(fields), len(samples)

@@ -17,10 +17,10 @@ import torch
 
 
 def current_stream(device: torch.device | int):
-    """`torch.cuda.current_stream(device)` (a CUDA device with its index, or the index), the Stream object made once
-    per stream: making one costs several µs of host time (more inside a window, run cold), asking
-    for the current stream's handle a fraction of one. The object is looked up by that handle, so a
-    stream set with `torch.cuda.stream(...)` is the one returned."""
+    """`torch.cuda.current_stream(device)` (a CUDA device with its index, or the index), its Stream
+    object made once per stream: making one costs several µs of host time (more inside a window, run
+    cold), asking for the current stream's handle a fraction of one. The object is looked up by that
+    handle, so a stream set with `torch.cuda.stream(...)` is the one returned."""
     index = device if isinstance(device, int) else device.index
     raw = torch._C._cuda_getCurrentRawStream(index)
     stream = _STREAMS.get((index, raw))

@@ -530,13 +530,12 @@ class WindowRound:
         rows = [len(parts) + s if r is None else r for s, r in enumerate(rows)]
         sums = window_checksums(parts + late, now.fields, dev, host=True, graphs=self._graphs,
                                 placed=True).reshape(len(parts) + len(late), -1, CHECKED_FIELDS)
-        # one event for every copy to the host: the window's steps run on one thread, and so on one
-        # stream of the target device
         w, (sent_at, got_at, first) = len(rows), self._sums_at
         orders = now.plan.orders[:w]
+        # one event for every copy to the host: the window's steps run on one thread, and so on one
+        # stream of the target device
         return _Check(window=self._windows - 1, orders=orders, layout=now.layout, sent_at=sent_at[orders + first[:w]],
-                      got_at=got_at[:w],
-                      sums=(now.sent, sums[len(parts):] if late else None, sums), rows=rows,
+                      got_at=got_at[:w], sums=(now.sent, sums[len(parts):] if late else None, sums), rows=rows,
                       event=self._recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
