@@ -694,7 +694,7 @@ def test_a_buffer_takes_a_program_per_chunk_of_its_whole_words(units, sizes, chu
     given_parts = [([torch.zeros(next(bufs), dtype=torch.uint8) for _ in fields], counts) for _ in range(parts)]
     block, programs, at = cs.launch_block(given_parts, fields, None, chunk)
     widths = [word_width("dense", u) for u in units] * parts
-    want = [-(-(t.nbytes // w) // chunk) for (held, _) in given_parts for t in held for w in [widths.pop(0)]]
+    want = [-(-(t.nbytes // w) // chunk) for t, w in zip([t for held, _ in given_parts for t in held], widths)]
     assert block[at["programs_at"]:at["bufs_at"]].tolist() == [0, *np.cumsum(want).tolist()]
     assert programs == sum(want)
 
