@@ -23,7 +23,6 @@ addresses (`launch_block`), else, or when the launch raises (logged once), with 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import mmap
@@ -510,11 +509,10 @@ _KINDS = {"dense": 0, "row": 1, "image": 1, "list": 2}
 _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"), "list": COLUMNS.index("list_bytes")}
 
 
-@functools.lru_cache(maxsize=64)
 def _field_constants(fields: tuple) -> tuple:
     """The kernel's rows of `fields` [F, 8], flat, (kind, pre, unit, word width, salt, checksum slot,
-    counts column of its entries (a dense field's: any), 0) and their word widths. The same every
-    window of a layout: made once."""
+    counts column of its entries (a dense field's: any), 0) and their word widths. Its one caller
+    is `_block_plan`, whose result is kept (`_PLANS`)."""
     rows = np.array([[_KINDS[f.kind], f.pre, f.unit, word_width(f.kind, f.unit), field_salt(i), field_slot(i), _ENTRY_COLUMN.get(f.kind, 0), 0] for i, f in enumerate(fields)],
                     dtype=np.int64).reshape(len(fields), 8)
     return tuple(rows.ravel().tolist()), tuple(rows[:, 3].tolist())

@@ -134,9 +134,12 @@ def _partition_max(costs: np.ndarray, groups: int, m: int) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def _partition_columns(groups: int, m: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(_partitions(groups, m), 2, 0))
+
+
+# the caches wrap plain functions, not decorator syntax: mutmut mutates no decorated function
+_partition_columns = functools.lru_cache(maxsize=None)(_partition_columns)
 
 
 def _best_partitions(U: np.ndarray, groups: int, m: int, limit: int):
@@ -168,18 +171,22 @@ def _best_partitions(U: np.ndarray, groups: int, m: int, limit: int):
     return best, r[:limit], p[:limit]
 
 
-@functools.lru_cache(maxsize=None)
 def _subset_matrix(m: int) -> np.ndarray:
     """float64 [m, 2**m]: column s holds the bits of s (row b: bit b)."""
     return ((np.arange(2 ** m) >> np.arange(m)[:, None]) & 1).astype(np.float64)
 
 
-@functools.lru_cache(maxsize=None)
+_subset_matrix = functools.lru_cache(maxsize=None)(_subset_matrix)
+
+
 def _half_masks(m: int):
     """Bin 0 of every partition of `_partitions(2, m)` as two bitmasks (int64 [P] each): its members
     below m, and its members from m on, shifted down by m."""
     bits = (1 << _partitions(2, m)[:, 0, :]).sum(axis=1)
     return bits & ((1 << m) - 1), bits >> m
+
+
+_half_masks = functools.lru_cache(maxsize=None)(_half_masks)
 
 
 def _exact_max(rows) -> float:
@@ -648,12 +655,13 @@ def _improve(M, C, L, target, iters, K):
             return
 
 
-@functools.lru_cache(maxsize=None)
 def _permutations(k: int) -> np.ndarray:
     return np.array(list(itertools.permutations(range(k))))
 
 
-@functools.lru_cache(maxsize=None)
+_permutations = functools.lru_cache(maxsize=None)(_permutations)
+
+
 def _partitions(groups: int, m: int) -> np.ndarray:
     """Every split of range(G*m) into G unlabelled groups of m: int64 [P, G, m] (15400 for 4 x 3)."""
     n = groups * m
@@ -678,6 +686,9 @@ def _partitions(groups: int, m: int) -> np.ndarray:
     arr = np.array(out, dtype=np.int64)
     arr.setflags(write=False)
     return arr
+
+
+_partitions = functools.lru_cache(maxsize=None)(_partitions)
 
 
 def _exhaustive(c, groups, m):

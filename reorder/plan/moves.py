@@ -85,7 +85,6 @@ class _Columns(NamedTuple):
     field_size: np.ndarray
 
 
-@lru_cache(maxsize=64)
 def _columns(fields: tuple) -> _Columns:
     cols = [(i, p, KINDS.index(f.kind), f.unit) for i, f in enumerate(fields)
             for p in range(f.pre if f.kind == "dense" else 1)]
@@ -93,6 +92,9 @@ def _columns(fields: tuple) -> _Columns:
     return _Columns(field, p, kind, unit, kind == 0,
                     np.array([KINDS.index(f.kind) for f in fields], dtype=np.int64),
                     np.array([f.pre * f.unit if f.kind == "dense" else f.unit for f in fields], dtype=np.int64))
+
+
+_columns = lru_cache(maxsize=64)(_columns)  # a plain function wrapped: mutmut mutates no decorated function
 
 
 def piece_layout(fields: tuple, n: np.ndarray, totals: np.ndarray) -> tuple:
