@@ -180,6 +180,20 @@ COUNTS = ("mutants", "killed", "timeout", "survived", "no_tests", "gpu_killed", 
           "not_checked")
 
 
+def left_out_properties() -> list:
+    """(file:name, lines of its body) of every property of the mutated files: mutmut mutates no
+    decorated function but static and class methods."""
+    import ast
+    out = []
+    for path in mutated_files():
+        for node in ast.walk(ast.parse(Path(path).read_text(), path)):
+            if isinstance(node, ast.FunctionDef) and [ast.unparse(d) for d in node.decorator_list] == ["property"]:
+                body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(
+                    getattr(node.body[0], "value", None), ast.Constant) else node.body
+                out.append((f"{path.rsplit('/', 1)[-1]}:{node.name}", body[-1].end_lineno - body[0].lineno + 1))
+    return out
+
+
 def module_of(path: str) -> str:
     return path[:-len(".py")].replace("/", ".")
 
@@ -338,6 +352,10 @@ def summary(seconds: float | None, jobs: int, globs: list):
         lines.append(f"| {path} | {who} | " + " | ".join("" if row[c] is None else str(row[c]) for c in cols) + " |")
     lines += ["", f"Equivalent mutants: {total['equivalent']} ({total['equivalent_share']} % of all); "
               + ", ".join(f"{CATEGORY[k]}: {total[k]}" for k, _, _ in REVIEWED[1:]) + ".", ""]
+    props = left_out_properties()
+    lines += [f"Not mutated: mutmut leaves out every decorated function but static and class methods; in these files "
+              f"those are {len(props)} properties ({sum(n for _, n in props)} lines of body, tests/test_mutation_reach.py "
+              "keeps it so): " + ", ".join(f"`{name}`" for name, _ in props) + ".", ""]
     if changed:
         lines += ["Changed since the run that judged them (its row stands until a run judges them again; "
                   "mutants now / then): " + ", ".join(f"`{p}` {a} / {b}" for p, (a, b) in changed.items()) + ".", ""]
