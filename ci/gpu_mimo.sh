@@ -7,6 +7,8 @@
 # timeout. Output under ${OUT:-functional_tests/results}: mimo_summary.txt, and the jobs' logs and JSON
 # results in mimo_logs/, packed into mimo_logs.tar.gz unless TAR_LOGS=0 (two files in all: the device
 # machine returns only a few).
+# Every job runs reorder on with the runtime self-check every VERIFY-th window (--verify; default 1:
+# every window; 0 off): a mismatch raises on every rank and fails the job.
 # Knobs: SOAK_ITERS (1000), SOAK_SECONDS (per-combo cap, s), PARITY_ITERS (30), HETERO_ITERS (10: noncoloc
 # and hetero, each followed by a resume of as many iterations), HETERO_SOAK_ITERS (300), JOB_TIMEOUT (s).
 # MIMO_SET picks the batch: base (default: the jobs above), tp_pp (tensor and pipeline parallelism:
@@ -37,6 +39,7 @@ PARITY_ITERS=${PARITY_ITERS:-30}
 HETERO_ITERS=${HETERO_ITERS:-10}
 HETERO_SOAK_ITERS=${HETERO_SOAK_ITERS:-300}
 JOB_TIMEOUT=${JOB_TIMEOUT:-480}
+VERIFY=${VERIFY:-1}
 DEV=${DEVICE:-cuda}  # DEVICE=cpu: rehearse on Gloo with CPU shims (debugging; no CDMC refusal check)
 SUITE=functional_tests/mimo_suite.py
 ${PYTHON:-python3} -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())" \
@@ -66,7 +69,7 @@ job() {  # name, ranks, suite arguments... ; runs in the background (JOB_ENV: ex
   fi
   ( t0=$(date +%s)
     env ${JOB_ENV:-} timeout -k 10 "$limit" torchrun --standalone --nproc-per-node "$nproc" $SUITE "$@" \
-      --device "$DEV" --json "$LOG/mimo_logs/$name.json" > "$LOG/mimo_logs/$name.log" 2>&1
+      --device "$DEV" --verify "$VERIFY" --json "$LOG/mimo_logs/$name.json" > "$LOG/mimo_logs/$name.log" 2>&1
     rc=$?
     echo "$name rc=$rc $(( $(date +%s) - t0 ))s ranks=$nproc" >> "$LOG/mimo_logs/rc.txt" ) &
   RUNNING[$!]=$nproc

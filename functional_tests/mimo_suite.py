@@ -575,11 +575,20 @@ class Run:
         self._undo.append(lambda: delattr(model, "align_embeddings_by_token_positions"))
 
 
-def reorder_cfg(on, *, window=1, overlap=True, weight=0.0, balancer=None):
+def reorder_cfg(on, *, window=1, overlap=True, weight=0.0, balancer=None, verify=0):
+    """verify: the runtime self-check (`megatron_mimo_reorder_verify`: 0 off, N every N-th window) when
+    reorder is on."""
     extra = {} if balancer is None else {"megatron_mimo_reorder_balancer": balancer}
     return ReorderConfig(megatron_mimo_scalable_dp=True, megatron_mimo_intra_microbatch_reorder=on,
                          megatron_mimo_reorder_window_size=window, megatron_mimo_reorder_overlap=overlap,
-                         megatron_mimo_reorder_language_cost_weight=weight, **extra)
+                         megatron_mimo_reorder_language_cost_weight=weight,
+                         megatron_mimo_reorder_verify=verify if on else 0, **extra)
+
+
+def verified(args, run) -> tuple:
+    """(windows the self-check found intact, per rank; every rank has some, or the check is off)."""
+    every = gather(run.it.verified_windows)
+    return every, not args.verify or min(every) > 0
 
 
 def gather(obj):
@@ -728,20 +737,22 @@ def check_accounting(env, run, cfg, first_window=0):
 def test_parity(args, env):
     off = Run(args, env, reorder_cfg(False), iters=args.iters).train()
     off.close()
-    on_cfg = reorder_cfg(True, window=2, overlap=True)
+    on_cfg = reorder_cfg(True, window=2, overlap=True, verify=args.verify)
     on = Run(args, env, on_cfg, iters=args.iters).train()
     on.close()
     acc = check_accounting(env, on, on_cfg)
     acc_off = check_accounting(env, off, reorder_cfg(False))
     tok_off, tok_on = image_tokens_per_mb(off), image_tokens_per_mb(on)
+    checked, checked_ok = verified(args, on)
     if dist.get_rank():
         return {}
     sums_equal = [sum(a) for a in tok_off] == [sum(b) for b in tok_on]
     spread = lambda t: float(np.mean([max(x) / (sum(x) / len(x)) for x in t if sum(x)]))  # noqa: E731
     d1 = abs(off.losses[0] - on.losses[0])
     rel = [abs(a - b) / abs(a) for a, b in zip(off.losses, on.losses)]
-    ok = sums_equal and d1 <= args.first_tolerance * abs(off.losses[0]) and max(rel) <= args.tolerance
+    ok = sums_equal and d1 <= args.first_tolerance * abs(off.losses[0]) and max(rel) <= args.tolerance and checked_ok
     return {"test": "parity", "ok": bool(ok), "layout": env["layout"], "iters": args.iters, "micro_batches_per_iter": args.micro_batches,
+            "verify": args.verify, "verified_windows_on": checked,
             "loss1_off": off.losses[0], "loss1_on": on.losses[0], "loss1_abs_diff": d1,
             "loss1_rel_diff": d1 / abs(off.losses[0]), "max_rel_diff": max(rel), "max_abs_diff":
             max(abs(a - b) for a, b in zip(off.losses, on.losses)), "tolerance_rel": args.tolerance,
@@ -757,7 +768,7 @@ def test_resume(args, env, cfg=None):
     equal the continuous run's bit for bit (cfg: reorder on, W and overlap from the first --windows and
     --overlaps, unless given)."""
     k, n = args.resume_at, args.iters
-    cfg = cfg or reorder_cfg(True, window=args.windows[0], overlap=args.overlaps[0])
+    cfg = cfg or reorder_cfg(True, window=args.windows[0], overlap=args.overlaps[0], verify=args.verify)
     cont = Run(args, env, cfg, iters=k + n).train()
     cont.close()
     first = Run(args, env, cfg, iters=k).train()
@@ -788,13 +799,13 @@ def test_soak(args, env):
     results, refused = [], None
     if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and args.device == "cuda":
         try:  # overlap must be refused there (docs/design.md, Overlap), on every rank alike
-            Run(args, env, reorder_cfg(True, window=2, overlap=True), iters=1).close()
+            Run(args, env, reorder_cfg(True, window=2, overlap=True, verify=args.verify), iters=1).close()
         except ValueError as e:
             refused = str(e)
     for weight in args.weights:
         for window in args.windows:
             for overlap in args.overlaps:
-                cfg = reorder_cfg(True, window=window, overlap=overlap, weight=weight)
+                cfg = reorder_cfg(True, window=window, overlap=overlap, weight=weight, verify=args.verify)
                 t0 = time.time()
                 run = Run(args, env, cfg, iters=args.iters)
                 done = 0
@@ -822,11 +833,13 @@ def test_soak(args, env):
                     r["spread_before"] = round(float(np.mean([x.spread_before for x in reps])), 3)
                     r["spread_after"] = round(float(np.mean([x.spread_after for x in reps])), 3)
                 r.update(check_accounting(env, run, cfg))
+                r["verified_windows"], r["verified_ok"] = verified(args, run)
                 log("SOAK", json.dumps(r))
                 results.append(r)
     if dist.get_rank():
         return {}
-    ok = all(r["iters"] >= args.iters and r["finite"] and not r["thread_alive_after_close"] for r in results)
+    ok = all(r["iters"] >= args.iters and r["finite"] and not r["thread_alive_after_close"] and r["verified_ok"]
+             for r in results)
     cdmc = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     out = {"test": "soak", "ok": ok, "layout": env["layout"], "cdmc": cdmc, "combos": results,
            "total_iters": sum(r["iters"] for r in results)}
@@ -851,15 +864,16 @@ def test_noncoloc(args, env):
       byte-identical micro-batches and the PP stages of a replica one sample order (`check_replicas`);
     - the loss curves of off and on agree within --first-tolerance / --tolerance;
     - a bit-identical resume with reorder on (`test_resume`)."""
-    on_cfg = reorder_cfg(True, window=2, overlap=True, balancer="lpt")
+    on_cfg = reorder_cfg(True, window=2, overlap=True, balancer="lpt", verify=args.verify)
     off_cfg = reorder_cfg(False)
-    ctrl_cfg = on_cfg if env["module"] == LANG else reorder_cfg(True, window=2, overlap=True, balancer="identity")
+    ctrl_cfg = on_cfg if env["module"] == LANG else reorder_cfg(True, window=2, overlap=True, balancer="identity", verify=args.verify)
     runs = {}
     for name, cfg, iters in (("off", off_cfg, args.iters), ("on", on_cfg, args.iters), ("bad", ctrl_cfg, 1)):
         runs[name] = Run(args, env, cfg, iters=iters, checksums=True, tolerate_misrouting=name == "bad").train()
         runs[name].close()
     acc = {"on": check_accounting(env, runs["on"], on_cfg), "off": check_accounting(env, runs["off"], off_cfg)}
     resume = test_resume(args, env, on_cfg)
+    checked, checked_ok = verified(args, runs["on"])
     every = gather({name: {"ids": r.ids, "sums": r.sums, "misrouted": r.misrouted} for name, r in runs.items()})
     if dist.get_rank():
         return {}
@@ -879,8 +893,9 @@ def test_noncoloc(args, env):
     d1 = abs(lo[0] - ln[0])
     rel = max(abs(a - b) / abs(a) for a, b in zip(lo, ln))
     ok = aligned and permuted > 0 and d1 <= args.first_tolerance * abs(lo[0]) and rel <= args.tolerance \
-        and paired["off"][0] == 0 and paired["on"][0] == 0 and paired["bad"][0] > 0 and resume["ok"]
+        and paired["off"][0] == 0 and paired["on"][0] == 0 and paired["bad"][0] > 0 and resume["ok"] and checked_ok
     return {"test": args.test, "ok": bool(ok), "layout": env["layout"], "encoder_dp": len(env["dp_groups"][ENC][0]),
+            "verify": args.verify, "verified_windows_on": checked,
             "language_dp": len(env["dp_groups"][LANG][0]), "groups": env["groups"], "iters": args.iters,
             "encoder_and_language_order_equal": aligned,
             "image_embedding_mismatches": {k: f"{v[0]}/{v[1]} samples" for k, v in paired.items()},
@@ -933,6 +948,8 @@ def parse(argv=None):
     p.add_argument("--overlaps", type=lambda s: s == "on", nargs="+", default=[True, False])
     p.add_argument("--weights", type=float, nargs="+", default=[0.0, 0.5])
     p.add_argument("--combo-seconds", type=float, default=1e9, help="soak: stop a combo after this long")
+    p.add_argument("--verify", type=int, default=0, help="reorder on: the runtime self-check every N-th window "
+                                                          "(0 off), as --reorder-verify N")
     p.add_argument("--json", default=None, help="rank 0 writes its result here")
     args = p.parse_args(argv)
     if args.test in LAYOUT_DEFAULTS:

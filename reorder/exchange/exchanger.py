@@ -77,6 +77,11 @@ class WindowExchanger:
     cross_slot = property(lambda self: self.round.settings.cross_slot)
     gate_backoff = property(lambda self: self.round.backoff.cap)
     verify = property(lambda self: self.round.verify)
+    verified_windows = property(lambda self: self.round.verified_windows,
+                                doc="Windows the self-check compared on every rank of the group and found intact "
+                                    "(a checked window is compared at the next window, or at the end of the stream).")
+    verified_samples = property(lambda self: self.round.verified_samples,
+                                doc="The samples of those windows, module-wide: each compared field by field.")
     skips_next = property(lambda self: self.round.skips_next,
                           doc="The next window will be skipped by the gate backoff (no collective, nothing to overlap).")
 

@@ -157,6 +157,8 @@ class WindowRound:
         self._sums_at = self._sum_index() if verify else None
         self._windows = 0  # windows read so far (planned or skipped): the self-check's schedule
         self._check = None  # the last checked window's sums, sent in the next window frame
+        self.verified_windows = 0  # checked windows whose sums every rank compared and found equal
+        self.verified_samples = 0  # their samples, module-wide (each compared field by field)
         self._graphs = Graphs()  # the checksum launches, captured (on CUDA): their sums are read a window later
         self._events = {}  # CUDA device -> the event after a checked window's sums (one waits at a time)
         self.agreed = grid.dp == 1  # the DP group's config frames matched (nothing to agree on alone)
@@ -379,9 +381,12 @@ class WindowRound:
         move list, placement and sources."""
         now = self._now
         if now.sums is not None:  # before the window's own problems: a corrupted window is the worse news
+            samples = self._check.orders.size
             failed = self._compared(now.frames)
             if failed is not None:
                 raise ReorderError(failed)
+            self.verified_windows += 1
+            self.verified_samples += samples
         problem, signatures = wire.window_problem(now.frames, texts)
         if problem is not None:
             raise ReorderError(problem)

@@ -159,7 +159,8 @@ class ReorderingBuffer(_Consumption):
     must be bound to the side process groups and is used only by the worker thread.
     log_every: log a metrics line every N windows (0 = never) to the logger "reorder" (INFO), on DP
     rank 0 only unless log_all_ranks; the line names `log_module` (the module) and the DP rank.
-    `reports` keeps the last 1000 WindowReports; `last_report` the newest.
+    `reports` keeps the last 1000 WindowReports; `last_report` the newest. `verified_windows` and
+    `verified_samples`: what the runtime self-check found intact so far (the exchanger's).
     calibration: a `reorder.runtime.calibration.Calibration` to attach before any window is exchanged
     (see `calibrate`); the reports are then CalibratedWindowReports.
     """
@@ -271,16 +272,21 @@ class ReorderingBuffer(_Consumption):
         if self.log_every and self._windows % self.log_every == 0 and (self.log_all_ranks or self._ex.grid.rank == 0):
             fit = getattr(report, "calibration", None)
             log.info("%sdp rank %d of %d, window %d: spread %.3f -> %.3f, moved %d/%d samples (%.1f MiB), "
-                     "plan %.2f ms, exchange %.2f ms%s", f"{self.log_module} " if self.log_module else "",
+                     "plan %.2f ms, exchange %.2f ms%s%s", f"{self.log_module} " if self.log_module else "",
                      self._ex.grid.rank, self._ex.grid.dp, self._windows, report.spread_before,
                      report.spread_after, report.moved_samples, report.total_samples, report.moved_bytes / 2**20,
                      report.plan_ms, report.exchange_ms,
+                     f"; self-check: {self._ex.verified_windows} windows ({self._ex.verified_samples} samples) intact"
+                     if self._ex.verify else "",
                      "" if fit is None else f"; calibration: {fit.reason} (R^2 {fit.r2:.3f}, predicted spread "
                                             f"{fit.predicted_spread_current:.3f} -> {fit.predicted_spread_fit:.3f})")
 
     @property
     def last_report(self) -> WindowReport | None:
         return self.reports[-1] if self.reports else None
+
+    verified_windows = property(lambda self: self._ex.verified_windows, doc=WindowExchanger.verified_windows.__doc__)
+    verified_samples = property(lambda self: self._ex.verified_samples, doc=WindowExchanger.verified_samples.__doc__)
 
     def __iter__(self):
         return self
@@ -470,11 +476,13 @@ class CalibratedWindowReport(WindowReport):
 class PassThroughBuffer(_Consumption):
     """What `reorder.integrations.megatron.wrap` returns with reordering off: the source's micro-batches
     unchanged, behind the interface of ReorderingBuffer (iterator, context manager, `close()`,
-    `reports` (always empty), `last_report` (None), `state_dict` / `load_state_dict`), so a training
+    `reports` (always empty), `last_report` (None), `verified_windows` and `verified_samples` (0),
+    `state_dict` / `load_state_dict`), so a training
     loop holds one type either way. micro_batch_size: B, for `consumed_samples`."""
 
     overlap = False
     worker_alive = False
+    verified_windows = verified_samples = 0  # no self-check without reordering
 
     def __init__(self, source, *, micro_batch_size: int):
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:

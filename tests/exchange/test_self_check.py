@@ -137,6 +137,34 @@ def test_the_check_runs_every_nth_window_only():
     assert all(isinstance(e, ReorderError) and "window 2" in str(e) for e in caught), caught
 
 
+@pytest.mark.parametrize("verify", [0, 1, 2])
+def test_the_exchanger_counts_the_windows_and_samples_it_verified(verify):
+    """verified_windows / verified_samples: the checked windows that moved samples (the others are
+    not checked), each counted once every rank found its sums equal, at the next window or at the
+    end of the stream; the same on every rank."""
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=verify)
+        rng = np.random.default_rng(11)
+        moved, seen = [], []
+        for k in range(6):
+            g = syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05,
+                                      text_only=1.0 if k == 3 else 0.2)  # window 3: no image, nothing to move
+            _, report = ex.exchange([syn.rank_share(g, 2, r)])
+            moved.append(bool((report.orders != np.arange(8)).any()))
+            seen.append(ex.verified_windows)
+        ex.exchange([])
+        return moved, seen, ex.verified_windows, ex.verified_samples
+    results = run_emulated(2, fn, timeout=30)
+    assert results[0] == results[1]
+    moved, seen, windows, samples = results[0]
+    checked = [m and verify > 0 and k % verify == 0 for k, m in enumerate(moved)]
+    assert sum(moved) >= 3 and (verify != 1 or not all(moved))  # some windows move samples, one does not
+    assert windows == sum(checked) and samples == 8 * windows
+    # a checked window is counted at the next window: before then, only the windows before it
+    assert seen == [sum(checked[:k]) for k in range(6)]
+
+
 def spec_mix(x: int) -> int:
     """The documented mix on Python integers (unsigned, mod 2**64; the shift is arithmetic)."""
     h = (x * 0x9E3779B97F4A7C15) & MASK64

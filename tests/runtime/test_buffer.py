@@ -1,5 +1,6 @@
 """ReorderingBuffer with overlap: how far the worker runs ahead of the consumer (GPU memory bound)."""
 
+import re
 import threading
 import time
 
@@ -178,3 +179,37 @@ def test_log_every_names_module_and_rank_and_logs_on_dp_rank_0(caplog, all_ranks
     ranks = [0, 1] if all_ranks else [0]
     assert [line.split(": spread")[0] for line in lines] == sorted(
         f"vision dp rank {r} of 2, window {w}" for r in ranks for w in (2, 4))
+
+
+@pytest.mark.parametrize("verify", [0, 1])
+def test_the_window_log_line_says_how_many_windows_the_self_check_found_intact(caplog, verify):
+    import logging
+
+    from reorder.exchange.collectives import run_emulated
+
+    rng = np.random.default_rng(5)
+    batches = [syn.make_global_batch(rng, 8, 256, features=4, mix="large", first_id=8 * k, scale=0.05)
+               for k in range(4)]
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=cost, collectives=coll,
+                             balancer="lpt", verify=verify)
+        seen = []
+        with ReorderingBuffer((syn.rank_share(b, 2, r) for b in batches), ex, log_every=1) as buf:
+            for _ in buf:
+                seen.append(ex.verified_windows)
+                assert (buf.verified_windows, buf.verified_samples) == (ex.verified_windows, ex.verified_samples)
+        return seen, ex.verified_windows
+
+    with caplog.at_level(logging.INFO, logger="reorder"):
+        (seen, total), _ = run_emulated(2, fn, timeout=30)
+    lines = [m for r in caplog.records if r.name == "reorder" and ": spread" in (m := r.getMessage())]
+    told = [re.search(r"self-check: (\d+) windows \((\d+) samples\) intact", line) for line in lines]
+    assert len(lines) == 4
+    if not verify:
+        assert told == [None] * 4 and total == 0
+        return
+    assert all(told) and total > 0
+    # each line is logged as its window is handed out: the windows verified by then, 8 samples each
+    assert [(int(t[1]), int(t[2])) for t in told] == [(n, 8 * n) for n in seen]

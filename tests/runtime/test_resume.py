@@ -149,3 +149,9 @@ def test_load_state_dict_rules():
         it.load_state_dict({"consumed_micro_batches": 3})
     it.load_state_dict({"consumed_micro_batches": 0})  # nothing consumed: an iterator is fine
     assert list(it) == [0, 1, 2, 3, 4] and it.consumed_micro_batches == 5
+
+
+def test_a_pass_through_buffer_has_verified_nothing():
+    """Reordering off (what `wrap` returns then): no self-check, the counts a training loop reads are 0."""
+    buf = PassThroughBuffer(iter([]), micro_batch_size=4)
+    assert (buf.verified_windows, buf.verified_samples) == (0, 0)
