@@ -122,3 +122,29 @@ class Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace categories of the GPU's own work
+
+
+def busy_by_range(events: list, prefix: str) -> dict:
+    """The GPU's busy time inside each range a torch.profiler trace marks: {range name without
+    `prefix`: [(µs, names of the GPU work in it)] in the ranges' order}. events: the trace's
+    `traceEvents` (`export_chrome_trace`); a range is a `record_function` whose name starts with
+    `prefix`; the GPU's work is its kernels, copies and memsets (GPU_WORK), clipped to the range,
+    and work that overlaps (two streams, a copy beside a kernel) counts once: busy is the length of
+    their union."""
+    marks = sorted((e["ts"], e["ts"] + e["dur"], e["name"][len(prefix):]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(prefix))
+    work = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in GPU_WORK)
+    out = {}
+    for start, end, name in marks:
+        inside = [(max(s, start), min(t, end), n) for s, t, n in work if s < end and t > start]
+        busy, reached = 0.0, start
+        for s, t, _ in inside:  # sorted by start: add what each piece reaches past the union so far
+            if t > reached:
+                busy += t - max(s, reached)
+                reached = t
+        out.setdefault(name, []).append((busy, sorted({n for _, _, n in inside})))
+    return out

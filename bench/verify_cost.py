@@ -16,7 +16,7 @@ both by default; elsewhere `kernel` alone (there it is the torch ops).
 
   PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--inputs pinned|device] [--micro-batch 16]
                                            [--window 1] [--windows 200] [--paths kernel,torch] [--early-copy]
-                                           [--ablate] [--json F]
+                                           [--ablate] [--device-busy N] [--json F]
 
 --window: micro-batches per window (1, the default, is the smallest window: the check's fixed
 host cost per window weighs most there).
@@ -27,6 +27,13 @@ the part itself cannot tell (a part run cold, between the window's other steps, 
 alone): "no comparison" (the sums travel, nobody compares them), "no read-back" (nor are they read
 back and sent), "no launch" (the checksum calls return zeros at once: no launch block, no launch;
 the zeros are read back and compared). These rows check nothing.
+
+--device-busy N (CUDA): then N more windows of each row under torch.profiler, each between two
+synchronizations, for the GPU's busy time a window: the union of its kernels, copies and memsets.
+The device time above runs from before a window's first step to the end of its last kernel, and so
+holds the host time the device waits for; the busy time is the device's own work, which a training
+step whose GPU is never idle pays. Each row also says in how many of those windows the checksum
+kernel showed (a profiler that missed the kernels of a replayed CUDA graph would show none).
 
 Prints one row per setting and path: median host ms per window, mean device ms per window (CUDA
 events), the ratio to off, and how many of the row's checksum calls the kernel served; then the
@@ -135,6 +142,42 @@ def leave_out(name: str, ex: WindowExchanger) -> None:
         rnd._check_words = lambda: None  # no sums in the frame: nothing to compare either
 
 
+BUSY = "reorder.verify_cost window: "  # the profiler ranges of --device-busy
+
+
+def device_busy(ex: dict, impl: dict, window_of, first: int, n: int, dev) -> dict:
+    """--device-busy: n more windows of each row (windows first, first + 1, ..., rows alternating),
+    each in a profiler range between two synchronizations. Returns {row: (mean busy ms a window,
+    windows whose GPU work includes the checksum kernel)} (`common.busy_by_range`; off CUDA, where
+    the tests run it, there is no GPU work: 0 ms)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from bench.common import busy_by_range
+
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            for k in range(first, first + n):
+                for name, e in ex.items():
+                    round_module.window_checksums = impl[name]
+                    sync()
+                    with record_function(BUSY + name):
+                        e.exchange(window_of(k))
+                        sync()
+    finally:
+        round_module.window_checksums = checksum.window_checksums
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            ranges = busy_by_range(json.load(trace)["traceEvents"], BUSY)
+    return {name: (float(np.mean([us for us, _ in got])) / 1e3,
+                   sum(any("checksum_window" in w for w in work) for _, work in got))
+            for name, got in ranges.items()}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -152,6 +195,9 @@ def main():
     p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
                                    "kernel elsewhere)")
     p.add_argument("--ablate", action="store_true", help="every-window rows with a part of the check left out")
+    p.add_argument("--device-busy", type=int, default=0, metavar="N",
+                   help="CUDA: then N more windows of each row under torch.profiler, for the GPU's busy time a "
+                        "window (its kernels, copies and memsets, their union)")
     p.add_argument("--json")
     args = p.parse_args()
     dev = torch.device(args.device)
@@ -164,6 +210,8 @@ def main():
         p.error(f"--inputs {args.inputs!r}: expected " + ("pinned or device" if cuda else "host (no CUDA device)"))
     if not 1 <= args.window <= 8:
         p.error(f"--window {args.window}: expected 1 to 8 micro-batches")
+    if args.device_busy and not cuda:
+        p.error(f"--device-busy {args.device_busy}: needs a CUDA device (the GPU's busy time)")
     rng = np.random.default_rng(0)
     batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
                                      first_id=k * args.micro_batch) for k in range(8)]
@@ -180,6 +228,10 @@ def main():
         leave_out(name, ex[name])
     impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
+
+    def window_of(k):
+        return [batches[(k * args.window + i) % len(batches)] for i in range(args.window)]
+
     device = {name: [] for name in ex}
     kept = {name: 0 for name in ex}  # slots kept as they are in windows that move samples (the check sums them once)
     with Parts() as parts:
@@ -188,7 +240,7 @@ def main():
                 for name, e in ex.items():
                     round_module.window_checksums = impl[name]
                     parts.row = name if k >= args.warmup else None
-                    b = [batches[(k * args.window + i) % len(batches)] for i in range(args.window)]
+                    b = window_of(k)
                     if cuda:
                         torch.cuda.synchronize(dev)
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -208,6 +260,9 @@ def main():
                             device[name].append(start.elapsed_time(end))
         finally:
             round_module.window_checksums = checksum.window_checksums
+    calls = {name: (i.calls, i.kernel, i.samples) for name, i in impl.items()}  # of the timed windows
+    busy = device_busy(ex, impl, window_of, args.warmup + args.windows, args.device_busy, dev) \
+        if args.device_busy else None
     out_rows = {}
     off_h = float(np.median(host["off"]))
     off_d = float(np.mean(device["off"])) if cuda else None
@@ -215,11 +270,14 @@ def main():
         h = float(np.median(host[name]))
         d = float(np.mean(device[name])) if cuda else None
         out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
-                              device_ratio=None if d is None else d / off_d, checksum_calls=impl[name].calls,
-                              kernel_calls=impl[name].kernel, checksum_samples=impl[name].samples,
+                              device_ratio=None if d is None else d / off_d, checksum_calls=calls[name][0],
+                              kernel_calls=calls[name][1], checksum_samples=calls[name][2],
                               kept_slots=kept[name],
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)
+        if busy is not None:
+            out_rows[name].update(busy_ms=busy[name][0], busy_ratio=busy[name][0] / busy["off"][0],
+                                  busy_windows=args.device_busy, busy_windows_with_checksum_kernel=busy[name][1])
     print(f"micro-batches: {inputs}{', copied early' if args.early_copy else ''}, {args.window} per window of "
           f"{args.micro_batch} samples")
     w = max(24, *map(len, out_rows))  # the name column; and a part column per checked row
@@ -229,6 +287,12 @@ def main():
         dra = "-" if r["device_ratio"] is None else f"{r['device_ratio']:.3f}"
         print(f"{name:{w}} {r['host_ms']:9.3f} {r['host_ratio']:7.3f} {dms:>10} {dra:>7} "
               f"{r['kernel_calls']:>5}/{r['checksum_calls']:<6}")
+    if busy is not None:
+        print(f"\nGPU busy a window (torch.profiler, {args.device_busy} windows a row: kernels, copies, memsets)")
+        print(f"{'self-check':{w}} {'busy ms':>9} {'x off':>7} {'windows with the checksum kernel':>34}")
+        for name, r in out_rows.items():
+            print(f"{name:{w}} {r['busy_ms']:9.3f} {r['busy_ratio']:7.3f} "
+                  f"{r['busy_windows_with_checksum_kernel']:>27}/{args.device_busy:<6}")
     checked = [name for name, n, _ in rows if n]
     print(f"\nhost µs per window, part by part: {'':4}" + "".join(f"{name:>{w + 2}}" for name in checked))
     for part in PARTS:
@@ -241,7 +305,7 @@ def main():
                captured=bool(cuda and checksum._CAPTURE[0]),
                inputs=inputs, early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch,
                seq_len=args.seq_len, features=args.features, mix=args.mix, windows=args.windows, paths=paths,
-               ablate=args.ablate,
+               ablate=args.ablate, device_busy=args.device_busy,
                settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:

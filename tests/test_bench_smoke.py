@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import expecttest
 import numpy as np
 import pytest
 
@@ -322,3 +323,82 @@ def test_checksum_kernel_bench_refuses_without_cuda_and_takes_the_round_s_parts(
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1] == ("bench/checksum_kernel.py times the Triton kernel on a CUDA "
                                                    "device: none is available")
+
+
+def test_busy_time_is_the_union_of_the_gpu_work_inside_each_range():
+    """bench/common.busy_by_range: per marked range, the GPU work clipped to it, overlaps counted
+    once, other categories and unmarked ranges ignored."""
+    sys.path.insert(0, str(ROOT))
+    from bench.common import busy_by_range
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [x("user_annotation", "w: off", 0, 100), x("user_annotation", "w: on", 200, 100),
+              x("user_annotation", "other", 0, 1000), x("cpu_op", "aten::copy_", 10, 50),
+              x("kernel", "copy", 10, 20), x("gpu_memcpy", "Memcpy HtoD", 20, 20),  # overlap: 10..40 once
+              x("kernel", "tail", 90, 30),                                        # clipped at 100: 10
+              x("kernel", "copy", 210, 10), x("kernel", "checksum_window", 250, 40), x("gpu_memset", "Memset", 280, 5),
+              x("kernel", "between", 150, 20), {"ph": "i", "cat": "kernel", "name": "marker", "ts": 220}]
+    got = busy_by_range(events, "w: ")
+    assert got == {"off": [(40.0, ["Memcpy HtoD", "copy", "tail"])],
+                   "on": [(50.0, ["Memset", "checksum_window", "copy"])]}
+
+
+def test_verify_cost_bench_refuses_device_busy_without_cuda(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu",
+                          "--device-busy", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 2 and "--device-busy 5: needs a CUDA device" in res.stderr
+
+
+def test_verify_cost_device_busy_profiles_every_row_s_windows():
+    """bench/verify_cost.device_busy on the CPU (no GPU work: 0 ms): n windows of each row, each in
+    its own profiler range, found again in the exported trace; the checksum paths put back."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from bench import verify_cost as vc
+    from reorder import CostModel, Grid, WindowExchanger
+    from reorder.batch import checksum
+    from reorder.cli import synthetic as syn
+    from reorder.exchange import round as round_module
+
+    rng = np.random.default_rng(0)
+    batch = syn.make_global_batch(rng, 8, 256, features=8, mix="small")
+    cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
+    ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=cost, verify=n)
+          for name, n in (("off", 0), ("every window", 1))}
+    impl = {name: vc.Path("kernel") for name in ex}
+    got = vc.device_busy(ex, impl, lambda k: [batch], 0, 3, torch.device("cpu"))
+    assert got == {"off": (0.0, 0), "every window": (0.0, 0)}
+    assert impl["off"].calls == 0 and impl["every window"].calls >= 3
+    assert round_module.window_checksums is checksum.window_checksums
+
+
+class TestVerifyCostTable(expecttest.TestCase):
+    def test_the_readme_table_from_the_committed_jsons(self):
+        """bench/verify_cost_table.py over the JSONs of the README's cost table (and a copy of one row
+        with a GPU busy time, as --device-busy writes it)."""
+        sys.path.insert(0, str(ROOT))
+        from bench.verify_cost_table import table
+
+        runs = [json.loads(f.read_text()) for f in
+                sorted((ROOT / "functional_tests/results/selfcheck/cost_ef733b5").glob("cost_*_w[18].json"))]
+        self.assertExpectedInline(table(runs), """\
+| micro-batches | W | off: host / device ms | every window: host, device | every 100th: host, device |
+|---|---:|---:|---:|---:|
+| pinned host memory, read in place | 1 | 2.77 / 3.77 | 1.11×, 1.23× | 0.96×, 0.99× |
+| pinned host memory, read in place | 8 | 15.07 / 23.49 | 1.04×, 1.31× | 0.98×, 0.99× |
+| pinned host memory, copied early (`early_copy`) | 1 | 3.15 / 3.18 | 1.07×, 1.08× | 0.98×, 0.98× |
+| pinned host memory, copied early (`early_copy`) | 8 | 14.83 / 14.88 | 1.04×, 1.04× | 1.00×, 1.00× |
+| on the GPU | 1 | 1.61 / 1.65 | 1.10×, 1.09× | 0.98×, 0.99× |
+| on the GPU | 8 | 6.18 / 6.62 | 1.07×, 1.10× | 1.00×, 0.98× |""")
+        busy = json.loads(json.dumps(runs[0]))
+        busy["settings"]["off"]["busy_ms"] = 0.25
+        busy["settings"]["every window"]["busy_ratio"] = 1.5
+        self.assertExpectedInline(table([busy, runs[1]]), """\
+| micro-batches | W | off: host / device ms | every window: host, device | every 100th: host, device | off: GPU busy ms | every window: GPU busy |
+|---|---:|---:|---:|---:|---:|---:|
+| on the GPU | 1 | 1.61 / 1.65 | 1.10×, 1.09× | 0.98×, 0.99× | 0.250 | 1.50× |
+| on the GPU | 8 | 6.18 / 6.62 | 1.07×, 1.10× | 1.00×, 0.98× | - | - |""")
