@@ -258,6 +258,7 @@ def check_exchanges(args, dev) -> int:
     flip = ex.round._executors[dev] = flipping(TorchExecutor() if args.rehearse else TritonExecutor())
     bad += correct_windows(ex, rng, dev)
     launches = len(calls)
+    verified = (ex.verified_windows, ex.verified_samples)  # windows 0..6 compared (7 at the next window)
     flip.armed = True
     g = [syn.make_global_batch(rng, 8, 512, features=24, mix="small", first_id=1000 + 8 * i) for i in range(2)]
     ex.exchange([syn.to_device(b, dev) for b in g])
@@ -270,9 +271,12 @@ def check_exchanges(args, dev) -> int:
     ok_kernel = isinstance(cs._KERNEL[0], Counting)
     captured = calls[:launches].count("replay")
     bad += int(not ok_kernel) + int(launches < 8) + int(not args.rehearse and not (cs._CAPTURE[0] and captured))
+    # the flipped window's frame compared window 7: every correct window that moved samples, 16 samples each
+    bad += int(not 0 < verified[0] <= 7 or verified[1] != 16 * verified[0] or ex.verified_windows != verified[0] + 1)
     cs._KERNEL[0], cs._Captured.replay = kernel, replay
     print(f"exchanges: 8 windows, {launches} kernel launches ({captured} captured), kernel "
-          f"never failed: {ok_kernel}, capturing: {cs._CAPTURE[0]}", flush=True)
+          f"never failed: {ok_kernel}, capturing: {cs._CAPTURE[0]}; found intact: {verified[0]} windows "
+          f"({verified[1]} samples) after 7, {ex.verified_windows} after 8", flush=True)
     return bad
 
 
