@@ -332,6 +332,18 @@ def test_partition_loads_are_the_left_to_right_row_sums(gm, seed):
     assert np.array_equal(_partition_max(c[0], groups, m), np.cumsum(c[0][P], axis=2)[..., -1].max(axis=1))
 
 
+@pytest.mark.parametrize("gm", [(2, 3), (3, 2), (2, 4), (4, 3)])
+def test_the_shared_partitions_are_read_only(gm):
+    """`_partitions` is cached: every plan of the process reads the same array, so none may write it
+    (a caller that sorted or relabelled it in place would change every later plan)."""
+    from reorder.plan.balancers import _partitions
+    groups, m = gm
+    P = _partitions(groups, m)
+    assert P is _partitions(groups, m) and not P.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        P[0, 0, 0] = 1
+
+
 @settings(max_examples=40)
 @given(st.sampled_from([7, 8]), st.integers(0, 5), st.integers(0, 2**32 - 1))
 def test_filtered_two_group_resplit_finds_every_optimal_partition(m, kind, seed):

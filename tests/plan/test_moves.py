@@ -157,6 +157,20 @@ def test_piece_layout_golden():
     expecttest.assert_expected_inline(str(sizes.tolist()), """[128, 112, 32]""")
 
 
+@given(windows())
+def test_a_layout_without_byte_fields_moves_no_byte(case):
+    """No field (a degenerate layout: nothing per sample to carry): every piece is empty and every
+    segment table too, at any world and plan; the pieces' regions and sizes are int64 like any layout's."""
+    dp, _, counts, plan, _ = case
+    regions, sizes = piece_layout((), np.array([1, 2, 0]), np.array([[3, 0, 1], [1, 2, 0], [17, 0, 16]]))
+    assert regions.shape == (3, 0) and regions.dtype == np.int64
+    assert sizes.tolist() == [0, 0, 0] and sizes.dtype == np.int64
+    for r in range(dp):
+        moves = build_moves((), counts, plan, r)
+        assert len(moves.pack) == len(moves.assemble) == 0
+        assert moves.send_splits == moves.recv_splits == [0] * dp
+
+
 @given(st.data())
 def test_take_moves_copies_any_selection_byte_for_byte(data):
     fields = (ByteField("dense", 2, 3), ByteField("row", 1, 5), ByteField("image", 1, 2), ByteField("list", 1, 1))
