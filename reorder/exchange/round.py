@@ -125,6 +125,12 @@ class _Pending:
     made: dict | None = None  # output slot -> its assembled buffers (slots not kept)
 
 
+def check_verify(verify) -> None:
+    """Raise ValueError naming `verify` unless it is a schedule of the self-check: an int >= 0."""
+    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+        raise ValueError(f"verify={verify!r} is invalid: 0 (off), 1 (every window) or N (every N-th window)")
+
+
 class WindowRound:
     """The state of one rank of one module across windows, and the steps of a window (module
     docstring). Arguments: see `WindowExchanger`, which builds the round from its own."""
@@ -135,8 +141,7 @@ class WindowRound:
                  shadow: bool = False, cross_slot: bool = False, early_copy: bool = False, gate_backoff: int = 0,
                  sample_costs=None, image_counts=None, verify: int = 0):
         check_micro_batch_size(micro_batch_size, grid.size)
-        if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
-            raise ValueError(f"verify={verify!r} is invalid: 0 (off), 1 (every window) or N (every N-th window)")
+        check_verify(verify)
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size={window_size!r} is invalid: must be an integer >= 1")
         self.settings = PlanSettings(balancer=balancer, min_gain=min_gain, min_saving=min_saving,

@@ -398,7 +398,9 @@ class ReorderingBuffer:
     where vision travels (None: one image per sample there).
     dp_group_gloo / dp_group_nccl: from `build_module_dp_process_groups` (or one reorder
     `Collectives` object passed as both). balancer (an addition): "lpt" (default, upstream's plan
-    bit for bit) or "balanced" / "identity".
+    bit for bit) or "balanced" / "identity". verify (an addition): the runtime self-check every N-th
+    window (0, the default: off; 1: every window); `verified_windows` / `verified_samples` say what it
+    found intact.
 
     A bad micro-batch, a source that raises or ends early on one rank, or a config that differs
     across the DP group raises the same `ReorderError` (a ValueError) on every rank of the group.
@@ -406,7 +408,10 @@ class ReorderingBuffer:
 
     def __init__(self, data_iterator, *, dp_rank: int, dp_size: int, n_groups: int, cost_of, dp_group_gloo,
                  dp_group_nccl, overlap: bool = True, image_count_of=None, window_size: int = 1,
-                 balancer: str = "lpt"):
+                 balancer: str = "lpt", verify: int = 0):
+        from reorder.exchange.round import check_verify
+
+        check_verify(verify)
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}.")
         if overlap and dp_size > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
@@ -431,7 +436,7 @@ class ReorderingBuffer:
                            sample_costs=None if self._vectorized else _PerSampleCosts(cost_of, image_counts))
         self._data = iter(data_iterator)
         self._groups = (dp_group_gloo, dp_group_nccl)
-        self._window_size, self._balancer = window_size, balancer
+        self._window_size, self._balancer, self._verify = window_size, balancer, verify
         self._device = _output_device(dp_size)
         self._overlap = bool(overlap) and dp_size > 1 and self._device is not None
         self._inner = None
@@ -482,6 +487,16 @@ class ReorderingBuffer:
         """The latest window's WindowReport, None before the first."""
         return None if self._inner is None else self._inner.last_report
 
+    @property
+    def verified_windows(self) -> int:
+        """Windows the self-check (`verify`) compared on every rank of the group and found intact."""
+        return 0 if self._inner is None else self._inner.verified_windows
+
+    @property
+    def verified_samples(self) -> int:
+        """The samples of those windows, module-wide."""
+        return 0 if self._inner is None else self._inner.verified_samples
+
     def __iter__(self):
         return self
 
@@ -527,7 +542,7 @@ class ReorderingBuffer:
                 collectives = TorchCollectives(gloo, data, meta_on_device=False,
                                                spin=0.0 if self._overlap else 2e-4)
         ex = WindowExchanger(grid=grid, micro_batch_size=global_batch, balancer=self._balancer,
-                             window_size=self._window_size, collectives=collectives,
+                             window_size=self._window_size, collectives=collectives, verify=self._verify,
                              device=self._device if grid.dp > 1 else None,
                              early_copy=not self._overlap and grid.dp > 1, **self._hooks)
         if self._calibration is not None and self._calibration.collectives is None and collectives is not None:

@@ -8,6 +8,7 @@ dp-1 window serving, zero spread, ValueErrors, the worker thread ending with the
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import numpy as np
@@ -93,12 +94,12 @@ def _assert_same(got, want, path=""):
 
 
 def _run_module(globals_, dp, groups, fields, *, window=1, cost_of=COST, image_count_of=br.image_count_of,
-                overlap=False, balancer="lpt", return_exceptions=False, share=_share):
+                overlap=False, balancer="lpt", return_exceptions=False, share=_share, verify=0):
     def rank_fn(r, coll):
         buf = br.ReorderingBuffer((share(g, dp, r, fields) for g in globals_), dp_rank=r, dp_size=dp,
                                   n_groups=groups, cost_of=cost_of, dp_group_gloo=coll, dp_group_nccl=coll,
                                   overlap=overlap, image_count_of=image_count_of, window_size=window,
-                                  balancer=balancer)
+                                  balancer=balancer, verify=verify)
         out = list(buf)
         return out, buf
     return run_emulated(dp, rank_fn, timeout=30, return_exceptions=return_exceptions)
@@ -315,6 +316,27 @@ def test_modules_agree_and_bytes_travel(layout, window):
             assert vision[v][0][step]["sample_id"].tolist() == lang
     assert [r.slots for r in language[0][1].reports] == [window] * (5 // window) + ([5 % window] if 5 % window else [])
     assert language[0][1]._thread is None  # no CUDA: upstream runs no worker either
+
+
+@pytest.mark.parametrize("verify", [0, 1, 2])
+def test_the_self_check_runs_behind_the_bridge_interface(verify):
+    """verify (an addition): the same micro-batches, and the windows and samples the check found
+    intact, alike on every rank (every checked window moves samples here; the last is compared at the
+    end of the stream)."""
+    globals_ = _global_batches(6, 8, seed=3)
+    groups = br.canonical_grid_size([2, 4])
+    language = _run_module(globals_, 4, groups, LANGUAGE, window=2, verify=verify)
+    _check_module(globals_, language, 4, groups, LANGUAGE)
+    counts = {(buf.verified_windows, buf.verified_samples) for _, buf in language}
+    moved = [bool((r.orders != np.arange(8)).any()) for r in language[0][1].reports]
+    checked = sum(m for k, m in enumerate(moved) if verify and k % verify == 0)
+    assert counts == {(checked, 2 * 8 * checked)} and (checked > 0) == bool(verify)
+
+
+@pytest.mark.parametrize("verify", [-1, True, 1.5])
+def test_a_bad_verify_is_refused_by_name(verify):
+    with pytest.raises(ValueError, match=re.escape(f"verify={verify!r} is invalid")):
+        br.ReorderingBuffer(iter([]), **_kw(dp_size=1), verify=verify)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
