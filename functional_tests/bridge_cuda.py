@@ -14,7 +14,8 @@ each sample arrives exactly once per micro-batch, where the plan puts it. With b
 order must be upstream's LPT (`spec.reference.lpt_order`) of the reference costs; "balanced" must
 not exceed LPT's largest group load. Costs: a partial of `sample_cost` (vectorized) and a custom
 per-sample `cost_of` (thirds: only float64 bits carry them). An overlap worker must be gone within
-5 s of the source's end.
+5 s of the source's end. The buffers run the runtime self-check (`--verify`, every window by
+default), which must find every window that moved samples intact.
 
   python functional_tests/bridge_cuda.py                              # one GPU: dp 1
   torchrun --standalone --nproc-per-node 2 functional_tests/bridge_cuda.py   # dp 1, dp 2 (NCCL); ranks
@@ -125,9 +126,11 @@ def check_micro_batch(out, k, g, want, order, *, dp, rank, groups, case, expect_
     return bad
 
 
-def run_case(case, globals_, wants, costs, *, dp, rank, groups, dev, inject=False):
+def run_case(case, globals_, wants, costs, *, dp, rank, groups, dev, inject=False, verify=0):
     """(mismatches, micro-batches checked, ms per micro-batch, canonical orders) of one case on this rank;
-    `inject` changes one token of the first micro-batch received (the check must then fail)."""
+    `inject` changes one token of the first micro-batch received (the check must then fail); `verify`:
+    the buffer's runtime self-check every N-th window, which must then have found every checked window
+    that moved samples intact."""
     name, _, span, where, kind, balancer, window, overlap = case
     n_groups = span * dp
     gloo, data = groups.get(overlap, (None, None)) if dp > 1 else (None, None)
@@ -137,7 +140,7 @@ def run_case(case, globals_, wants, costs, *, dp, rank, groups, dev, inject=Fals
     buf = br.ReorderingBuffer(iter(shares), dp_rank=rank, dp_size=dp, n_groups=n_groups,
                               cost_of=VECTORIZED if kind == "vectorized" else custom_cost, dp_group_gloo=gloo,
                               dp_group_nccl=data, overlap=overlap, image_count_of=br.image_count_of,
-                              window_size=window, balancer=balancer)
+                              window_size=window, balancer=balancer, verify=verify)
     sync(dev)
     t0 = time.perf_counter()
     out = list(buf)
@@ -152,6 +155,10 @@ def run_case(case, globals_, wants, costs, *, dp, rank, groups, dev, inject=Fals
         if buf._thread.is_alive():
             bad.append(f"{name}: the overlap worker is alive 5 s after the source ended")
     orders = [o.tolist() for rep in buf.reports for o in rep.orders]
+    moved = [bool((rep.orders != np.arange(rep.orders.shape[1])).any()) for rep in buf.reports]
+    checked = sum(m for k, m in enumerate(moved) if verify and k % verify == 0)
+    if buf.verified_windows != checked:
+        bad.append(f"{name}: the self-check found {buf.verified_windows} windows intact, expected {checked}")
     if len(out) != len(globals_) or len(orders) != len(globals_):
         return bad + [f"{name}: {len(out)} micro-batches and {len(orders)} orders for {len(globals_)} read"], 0, ms, []
     for k, (mb, g) in enumerate(zip(out, globals_)):
@@ -195,6 +202,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds before a stuck run prints every thread's stack and exits 1")
+    p.add_argument("--verify", type=int, default=1, help="the buffers' runtime self-check every N-th window "
+                                                          "(0: off)")
     p.add_argument("--inject-mismatch", action="store_true",
                    help="change one received token in the first case: checks the check (exits 1)")
     args = p.parse_args()
@@ -221,7 +230,7 @@ def main():
         name = case[0].replace("dpN", f"dp{dp}")
         try:
             b, n, ms, o = run_case(case, globals_, wants, costs, dp=dp, rank=rank if dp > 1 else 0, groups=groups,
-                                   dev=dev, inject=args.inject_mismatch and case is CASES[0])
+                                   dev=dev, inject=args.inject_mismatch and case is CASES[0], verify=args.verify)
         except Exception as e:  # noqa: BLE001 - a failed case is a mismatch; the others still run
             b, n, ms, o = [f"{name}: raised {type(e).__name__}: {e}"], 0, float("nan"), []
         bad += [f"rank {rank}: {x}" for x in b]

@@ -653,3 +653,28 @@ def test_bridge_cuda_check_catches_a_changed_token():
         assert checked == 2
         assert bad == ([f"{script.CASES[0][0]}: micro-batch 0: rank 0's samples differ from reorder off's bytes "
                         "in canonical order"] if inject else [])
+
+
+def test_bridge_cuda_check_counts_what_the_self_check_found_intact(monkeypatch):
+    """With --verify the script requires the buffer's self-check to have found every window that moved
+    samples intact: a buffer whose count says otherwise is a mismatch."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "functional_tests" / "bridge_cuda.py"
+    spec = importlib.util.spec_from_file_location("bridge_cuda", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = np.random.default_rng(0)
+    globals_ = [syn.make_global_batch(rng, 8, 128, features=4, mix="large", first_id=8 * k, scale=0.05)
+                for k in range(3)]
+    wants = [script.per_sample_bytes(g, vision_start_token_id=syn.VISION_START) for g in globals_]
+    costs = {kind: [script.reference_costs(g, kind) for g in globals_] for kind in ("vectorized", "custom")}
+    run = functools.partial(script.run_case, script.CASES[0], globals_, wants, costs, dp=1, rank=0, groups={},
+                            dev=torch.device("cpu"), verify=1)
+    bad, checked, _, orders = run()
+    moved = sum(o != sorted(o) for o in orders)
+    assert bad == [] and checked == 3 and moved > 0
+    monkeypatch.setattr(br.ReorderingBuffer, "verified_windows", property(lambda self: 0))
+    bad, _, _, _ = run()
+    assert bad == [f"{script.CASES[0][0]}: the self-check found 0 windows intact, expected {moved}"]
