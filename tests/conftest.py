@@ -11,5 +11,5 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(autouse=True)
 def _caches_made_afresh():
-    """Every test fills the caches of the mutated modules afresh (`support.caches`)."""
+    """Every test fills the library's caches afresh (`support.caches`)."""
     clear_caches()

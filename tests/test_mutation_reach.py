@@ -2,7 +2,7 @@
 @staticmethod and @classmethod, so the mutated files (`[tool.mutmut] only_mutate`) keep their
 caches as plain functions wrapped by a call, and properties are the only decorated functions
 there (`ci/mutation/summary.md` counts them); and the tests' cache fixture empties every function
-cache of those files, so a value cached before a test never spares it the code that makes it."""
+cache of the library, so a value cached before a test never spares it the code that makes it."""
 
 import ast
 import functools
@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from support.caches import MUTATED, clear_caches
+from support.caches import clear_caches
 
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def mutated_modules() -> list:
+    """The module names of `[tool.mutmut] only_mutate`."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return [p.removesuffix(".py").replace("/", ".") for p in tomllib.load(f)["tool"]["mutmut"]["only_mutate"]]
+
+
+MUTATED = mutated_modules()
 
 
 def unmutated(path: Path) -> list:
