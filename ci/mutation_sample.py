@@ -180,18 +180,27 @@ COUNTS = ("mutants", "killed", "timeout", "survived", "no_tests", "gpu_killed", 
           "not_checked")
 
 
+def decorated_functions(path: Path) -> list:
+    """(line, name, decorators, lines of body past its docstring) of every function of the file that
+    mutmut leaves out: one with a decorator but @staticmethod or @classmethod alone."""
+    import ast
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.decorator_list:
+            names = [ast.unparse(d) for d in node.decorator_list]
+            if names in (["staticmethod"], ["classmethod"]):
+                continue
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(
+                getattr(node.body[0], "value", None), ast.Constant) else node.body
+            out.append((node.lineno, node.name, names, body[-1].end_lineno - body[0].lineno + 1))
+    return out
+
+
 def left_out_properties() -> list:
     """(file:name, lines of its body) of every property of the mutated files: mutmut mutates no
     decorated function but static and class methods."""
-    import ast
-    out = []
-    for path in mutated_files():
-        for node in ast.walk(ast.parse(Path(path).read_text(), path)):
-            if isinstance(node, ast.FunctionDef) and [ast.unparse(d) for d in node.decorator_list] == ["property"]:
-                body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(
-                    getattr(node.body[0], "value", None), ast.Constant) else node.body
-                out.append((f"{path.rsplit('/', 1)[-1]}:{node.name}", body[-1].end_lineno - body[0].lineno + 1))
-    return out
+    return [(f"{path.rsplit('/', 1)[-1]}:{name}", lines) for path in mutated_files()
+            for _, name, names, lines in decorated_functions(ROOT / path) if names == ["property"]]
 
 
 def module_of(path: str) -> str:

@@ -4,37 +4,23 @@ caches as plain functions wrapped by a call, and properties are the only decorat
 there (`ci/mutation/summary.md` counts them); and the tests' cache fixture empties every function
 cache of the library, so a value cached before a test never spares it the code that makes it."""
 
-import ast
 import functools
 from pathlib import Path
 
 import pytest
 
+from ci.mutation_sample import decorated_functions, module_of, mutated_files
 from support.caches import clear_caches
 
-tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def mutated_modules() -> list:
-    """The module names of `[tool.mutmut] only_mutate`."""
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        return [p.removesuffix(".py").replace("/", ".") for p in tomllib.load(f)["tool"]["mutmut"]["only_mutate"]]
-
-
-MUTATED = mutated_modules()
+MUTATED = [module_of(path) for path in mutated_files()]
 
 
 def unmutated(path: Path) -> list:
     """(line, function, decorators) of every function of the file that mutmut leaves out and that
     is not a property."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.decorator_list:
-            names = [ast.unparse(d) for d in node.decorator_list]
-            if names not in (["staticmethod"], ["classmethod"], ["property"]):
-                out.append((node.lineno, node.name, names))
-    return out
+    return [(line, name, names) for line, name, names, _ in decorated_functions(path) if names != ["property"]]
 
 
 def test_mutmut_mutates_every_function_of_the_mutated_files_but_properties():
