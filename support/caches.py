@@ -10,15 +10,11 @@ import sys
 
 
 def clear_caches() -> None:
-    """Empty `checksum._PLANS` (launch block layouts) and every function cache of the `reorder`
-    modules imported so far (`functools.lru_cache` around a function; one around a class makes
-    shared values, and is left alone)."""
+    """Empty every function cache of the `reorder` modules imported so far (`functools.lru_cache`
+    around a function; one around a class makes shared values, and is left alone)."""
     for name, module in list(sys.modules.items()):
         if name != "reorder" and not name.startswith("reorder."):
             continue
         for value in vars(module).values():
             if isinstance(value, functools._lru_cache_wrapper) and inspect.isfunction(value.__wrapped__):
                 value.cache_clear()
-    checksum = sys.modules.get("reorder.batch.checksum")
-    if checksum is not None:
-        checksum._PLANS.clear()

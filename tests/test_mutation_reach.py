@@ -43,18 +43,17 @@ def test_the_cache_fixture_empties_every_function_cache_of_the_mutated_files():
     from reorder.plan import balancers, moves
 
     caches = [balancers._partitions, balancers._permutations, balancers._subset_matrix, balancers._half_masks,
-              balancers._partition_columns, moves._columns]
+              balancers._partition_columns, moves._columns, checksum._block_plan]
     balancers._partition_columns(2, 3)
     balancers._half_masks(3)  # and _partitions(2, 3)
     balancers._subset_matrix(3)
     balancers._permutations(3)
     moves._columns(())
     shared = layout._dense_field(("x",), 0, layout.torch.int64, (2,))  # a class cache: shared field values
-    checksum._PLANS["k"] = None
+    checksum._block_plan((), (1,), 16)
     assert all(c.cache_info().currsize for c in caches)
     clear_caches()
     assert [c.cache_info().currsize for c in caches] == [0] * len(caches)
-    assert checksum._PLANS == {}
     assert layout._dense_field(("x",), 0, layout.torch.int64, (2,)) is shared
 
 

@@ -23,12 +23,14 @@ addresses (`launch_block`), else, or when the launch raises (logged once), with 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import mmap
 import operator
 import os
 import struct
+import types
 
 import numpy as np
 import torch
@@ -449,14 +451,8 @@ def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
         if len(held) != nf:
             raise ValueError(f"part {p} has {len(held)} buffers for {nf} fields")
     tables = [c.table for _, c in parts]
-    key = (fields, tuple(map(len, tables)), chunk)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= 256:  # layouts and part sizes without end: forget the old ones
-            _PLANS.clear()
-        plan = _PLANS[key] = _block_plan(*key)
-    adds, divs, bufs, rows, head, at, pack, samples = plan
-    bufs = bufs.copy()
+    adds, divs, bufs, rows, head, at, pack, samples = _block_plan(fields, tuple(map(len, tables)), chunk)
+    bufs = list(bufs)
     flat = [t for held, _ in parts for t in held]
     bufs[0::4] = [0 if t is None else t.data_ptr() for t in flat]
     if readable is None:
@@ -474,16 +470,13 @@ def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
     return out, first[-1], at
 
 
-_PLANS = {}  # (fields, samples per part, chunk) -> its `_block_plan`
-
-
 def _block_plan(fields: tuple, samples: tuple, chunk: int) -> tuple:
     """What a launch block holds for `fields` over parts of `samples` samples each, whatever their
     buffers: every buffer's w (chunk - 1) and w chunk (w: its word width; `launch_block` counts its
     programs with them), the buffer rows with their first sample and samples filled in (address
     and bytes: 0), the field rows, the header, the packing of the header, programs, rows and field
-    rows, the offsets (`launch_block`'s dict) and the window's samples. The same every window of a
-    layout and part sizes: made once."""
+    rows, the offsets (`launch_block`'s mapping) and the window's samples, all of it read-only. The
+    same every window of a layout and part sizes: made once (cached below)."""
     rows, widths = _field_constants(fields)
     nf, parts = len(fields), len(samples)
     buffers, row0 = nf * parts, [0, *itertools.accumulate(samples)]
@@ -500,8 +493,13 @@ def _block_plan(fields: tuple, samples: tuple, chunk: int) -> tuple:
     at["samples"] = 1 << (max(16, *samples) - 1).bit_length()
     pack = struct.Struct(f"={at['counts_at']}q")
     widths = widths * parts
-    return ([w * (chunk - 1) for w in widths], [w * chunk for w in widths], bufs, rows, head, at, pack,
-            row0[-1])
+    return (tuple(w * (chunk - 1) for w in widths), tuple(w * chunk for w in widths), tuple(bufs), rows, head,
+            types.MappingProxyType(at), pack, row0[-1])
+
+
+# the layouts of the windows seen last (layouts and part sizes without end: the old ones are forgotten);
+# a plain function wrapped, not a decorator: mutmut mutates no decorated function
+_block_plan = functools.lru_cache(maxsize=256)(_block_plan)
 
 
 _HEADER = 8  # the block's header words: buffers, fields, the five offsets, the counts' columns
@@ -512,7 +510,7 @@ _ENTRY_COLUMN = {"row": COLUMNS.index("rows"), "image": COLUMNS.index("images"),
 def _field_constants(fields: tuple) -> tuple:
     """The kernel's rows of `fields` [F, 8], flat, (kind, pre, unit, word width, salt, checksum slot,
     counts column of its entries (a dense field's: any), 0) and their word widths. Its one caller
-    is `_block_plan`, whose result is kept (`_PLANS`)."""
+    is `_block_plan`, whose result is cached."""
     rows = np.array([[_KINDS[f.kind], f.pre, f.unit, word_width(f.kind, f.unit), field_salt(i), field_slot(i), _ENTRY_COLUMN.get(f.kind, 0), 0] for i, f in enumerate(fields)],
                     dtype=np.int64).reshape(len(fields), 8)
     return tuple(rows.ravel().tolist()), tuple(rows[:, 3].tolist())

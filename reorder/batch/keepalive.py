@@ -11,6 +11,7 @@ exchange's copy kernel and the self-check's checksum kernel) hold their sources 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 
 import torch
@@ -22,16 +23,17 @@ def current_stream(device: torch.device | int):
     cold), asking for the current stream's handle a fraction of one. The object is looked up by that
     handle, so a stream set with `torch.cuda.stream(...)` is the one returned."""
     index = device if isinstance(device, int) else device.index
-    raw = torch._C._cuda_getCurrentRawStream(index)
-    stream = _STREAMS.get((index, raw))
-    if stream is None:
-        if len(_STREAMS) >= 64:  # a caller that makes streams without end: forget the old ones
-            _STREAMS.clear()
-        stream = _STREAMS[(index, raw)] = torch.cuda.current_stream(index)
-    return stream
+    return _stream(index, torch._C._cuda_getCurrentRawStream(index))
 
 
-_STREAMS = {}  # (device index, raw stream handle) -> its torch.cuda.Stream
+def _stream(index: int, raw: int):
+    """The current stream of device `index`, whose raw handle is `raw`."""
+    return torch.cuda.current_stream(index)
+
+
+# the streams seen last (a caller that makes streams without end: the old ones are forgotten); a plain
+# function wrapped, not a decorator: mutmut mutates no decorated function
+_stream = functools.lru_cache(maxsize=64)(_stream)
 
 
 class KeepAlive:

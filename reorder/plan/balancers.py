@@ -23,6 +23,8 @@ import operator
 
 import numpy as np
 
+from reorder.plan.shared import read_only
+
 
 def check_costs(costs, groups, *, slots: bool = False) -> np.ndarray:
     """The input check of every balancer, the bounds, `exact` and `plan_orders` (one function, so they
@@ -135,7 +137,7 @@ def _partition_max(costs: np.ndarray, groups: int, m: int) -> np.ndarray:
 
 
 def _partition_columns(groups: int, m: int) -> np.ndarray:
-    return np.ascontiguousarray(np.moveaxis(_partitions(groups, m), 2, 0))
+    return read_only(np.ascontiguousarray(np.moveaxis(_partitions(groups, m), 2, 0)))
 
 
 # the caches wrap plain functions, not decorator syntax: mutmut mutates no decorated function
@@ -173,7 +175,7 @@ def _best_partitions(U: np.ndarray, groups: int, m: int, limit: int):
 
 def _subset_matrix(m: int) -> np.ndarray:
     """float64 [m, 2**m]: column s holds the bits of s (row b: bit b)."""
-    return ((np.arange(2 ** m) >> np.arange(m)[:, None]) & 1).astype(np.float64)
+    return read_only(((np.arange(2 ** m) >> np.arange(m)[:, None]) & 1).astype(np.float64))
 
 
 _subset_matrix = functools.lru_cache(maxsize=None)(_subset_matrix)
@@ -183,7 +185,7 @@ def _half_masks(m: int):
     """Bin 0 of every partition of `_partitions(2, m)` as two bitmasks (int64 [P] each): its members
     below m, and its members from m on, shifted down by m."""
     bits = (1 << _partitions(2, m)[:, 0, :]).sum(axis=1)
-    return bits & ((1 << m) - 1), bits >> m
+    return read_only(bits & ((1 << m) - 1)), read_only(bits >> m)
 
 
 _half_masks = functools.lru_cache(maxsize=None)(_half_masks)
@@ -656,7 +658,7 @@ def _improve(M, C, L, target, iters, K):
 
 
 def _permutations(k: int) -> np.ndarray:
-    return np.array(list(itertools.permutations(range(k))))
+    return read_only(np.array(list(itertools.permutations(range(k)))))
 
 
 _permutations = functools.lru_cache(maxsize=None)(_permutations)
@@ -669,9 +671,7 @@ def _partitions(groups: int, m: int) -> np.ndarray:
         first = np.array([(0,) + t for t in itertools.combinations(range(1, n), m - 1)], dtype=np.int64)
         mask = np.ones((len(first), n), dtype=bool)
         mask[np.arange(len(first))[:, None], first] = False
-        arr = np.stack([first, np.nonzero(mask)[1].reshape(len(first), m)], axis=1)
-        arr.setflags(write=False)
-        return arr
+        return read_only(np.stack([first, np.nonzero(mask)[1].reshape(len(first), m)], axis=1))
     out = []
 
     def rec(rest, chosen):
@@ -683,9 +683,7 @@ def _partitions(groups: int, m: int) -> np.ndarray:
             rec(tuple(x for x in tail if x not in comb), chosen + ((first,) + comb,))
 
     rec(tuple(range(n)), ())
-    arr = np.array(out, dtype=np.int64)
-    arr.setflags(write=False)
-    return arr
+    return read_only(np.array(out, dtype=np.int64))
 
 
 _partitions = functools.lru_cache(maxsize=None)(_partitions)

@@ -27,6 +27,7 @@ import numpy as np
 
 from reorder.plan.counts import COLUMNS, SampleCounts
 from reorder.plan.segments import Segments
+from reorder.plan.shared import read_only
 from reorder.plan.window import WindowPlan
 
 ALIGN = 16
@@ -89,9 +90,10 @@ def _columns(fields: tuple) -> _Columns:
     cols = [(i, p, KINDS.index(f.kind), f.unit) for i, f in enumerate(fields)
             for p in range(f.pre if f.kind == "dense" else 1)]
     field, p, kind, unit = (np.array(c, dtype=np.int64) for c in zip(*cols)) if cols else [np.zeros(0, np.int64)] * 4
-    return _Columns(field, p, kind, unit, kind == 0,
-                    np.array([KINDS.index(f.kind) for f in fields], dtype=np.int64),
-                    np.array([f.pre * f.unit if f.kind == "dense" else f.unit for f in fields], dtype=np.int64))
+    return _Columns(*map(read_only, (field, p, kind, unit, kind == 0,
+                                     np.array([KINDS.index(f.kind) for f in fields], dtype=np.int64),
+                                     np.array([f.pre * f.unit if f.kind == "dense" else f.unit for f in fields],
+                                              dtype=np.int64))))
 
 
 _columns = lru_cache(maxsize=64)(_columns)  # a plain function wrapped: mutmut mutates no decorated function

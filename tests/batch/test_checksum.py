@@ -699,14 +699,9 @@ def test_a_buffer_takes_a_program_per_chunk_of_its_whole_words(units, sizes, chu
     assert programs == sum(want)
 
 
-def test_a_block_s_layout_is_made_once_per_fields_and_part_sizes_and_forgotten_past_256(monkeypatch):
+def test_a_block_s_layout_is_made_once_per_fields_and_part_sizes_and_forgotten_past_256():
     """`launch_block` lays out a block's fixed parts once per (fields, samples per part, chunk): the
-    same layout is looked up, not made again; past 256 of them (part sizes without end) the old ones
-    are forgotten."""
-    monkeypatch.setattr(cs, "_PLANS", {})
-    made = []
-    plan = cs._block_plan
-    monkeypatch.setattr(cs, "_block_plan", lambda *key: made.append(key) or plan(*key))
+    same layout is looked up, not made again; the 256 used last are kept (part sizes without end)."""
     fields = (ByteField("dense", 1, 8),)
 
     def block(n):
@@ -715,9 +710,10 @@ def test_a_block_s_layout_is_made_once_per_fields_and_part_sizes_and_forgotten_p
 
     first = block(3)
     again = block(3)
-    assert made == [(fields, (3,), 16)] and first[1:] == again[1:]
-    for n in range(4, 259):
+    assert cs._block_plan.cache_info()[:2] == (1, 1) and first[1:] == again[1:]  # (hits, misses)
+    for n in range(4, 260):
         block(n)
-    assert len(cs._PLANS) == 256 and len(made) == 256
+    assert cs._block_plan.cache_info()[1:] == (257, 256, 256)  # misses, maxsize, size: 3 pushed out
     block(259)
-    assert list(cs._PLANS) == [(fields, (259,), 16)]
+    block(3)
+    assert cs._block_plan.cache_info()[:2] == (2, 258)

@@ -114,7 +114,7 @@ def test_the_current_stream_is_looked_up_by_its_handle_and_made_once_per_stream(
         made.append((index, current[index]))
         return ("stream", index, current[index])
 
-    monkeypatch.setattr(keepalive, "_STREAMS", {})
+    keepalive._stream.cache_clear()
     monkeypatch.setattr(keepalive.torch._C, "_cuda_getCurrentRawStream", lambda index: current[index], raising=False)
     monkeypatch.setattr(keepalive.torch.cuda, "current_stream", make)
     first = keepalive.current_stream(0)
@@ -127,13 +127,20 @@ def test_the_current_stream_is_looked_up_by_its_handle_and_made_once_per_stream(
 
 
 def test_streams_made_without_end_are_forgotten_past_64(monkeypatch):
+    """The 64 streams looked up last are kept: the 65th pushes out the one looked up longest ago."""
     handle = [0]
-    monkeypatch.setattr(keepalive, "_STREAMS", {})
+    keepalive._stream.cache_clear()
     monkeypatch.setattr(keepalive.torch._C, "_cuda_getCurrentRawStream", lambda index: handle[0], raising=False)
     monkeypatch.setattr(keepalive.torch.cuda, "current_stream", lambda index: object())
+    made = {}
     for handle[0] in range(64):
-        keepalive.current_stream(0)
-    assert len(keepalive._STREAMS) == 64
+        made[handle[0]] = keepalive.current_stream(0)
+    handle[0] = 0
+    assert keepalive.current_stream(0) is made[0]  # now the one looked up last
     handle[0] = 64
     keepalive.current_stream(0)
-    assert list(keepalive._STREAMS) == [(0, 64)]
+    assert keepalive._stream.cache_info().currsize == 64
+    handle[0] = 1
+    assert keepalive.current_stream(0) is not made[1]  # forgotten, made again
+    handle[0] = 0
+    assert keepalive.current_stream(0) is made[0]
