@@ -38,7 +38,13 @@ _MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as a signed int6
 def _mix(x):
     """checksum.mix on int64 lanes: multiply (wrapping), fold the high bits down (arithmetic shift,
     as torch's >> on int64), set the low bit."""
-    h = x * _MIX
+    return _folded(x * _MIX)
+
+
+@triton.jit
+def _folded(h):
+    """`_mix`'s fold of h = x * 0x9E3779B97F4A7C15 (a running product: the callers step it by
+    addition instead of multiplying x again)."""
     return (h ^ (h >> 29)) | 1
 
 
@@ -80,16 +86,97 @@ def _piece_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl
 
 
 @triton.jit
-def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr):
-    """`_piece_sum` in the field's word width."""
-    if width == 8:
-        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int64, 8, BLOCK)
-    elif width == 4:
-        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int32, 4, BLOCK)
-    elif width == 2:
-        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int16, 2, BLOCK)
+def _entry_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+    """`_piece_sum` of words all in one entry, aligned: mix(e + salt) is the same for each, so it
+    multiplies their sum once; a lane steps its address and its column's product by addition."""
+    lane = tl.arange(0, BLOCK).to(tl.int64)  # int64: the products wrap in 64 bits
+    e = first // wpe
+    c = first - e * wpe + lane
+    at = tl.cast(addr, tl.pointer_type(WTYPE)) + e * (stride // W) + c
+    h = c * W * _MIX
+    step = tl.full([], BLOCK * W, tl.int64) * _MIX
+    acc = tl.zeros([BLOCK], tl.int64)
+    for done in range(0, count, BLOCK):
+        m = lane < count - done
+        w = tl.load(at, mask=m, other=0).to(tl.int64)
+        acc += tl.where(m, (w + 1) * _folded(h), 0)
+        at += BLOCK
+        h += step
+    return tl.sum(acc, axis=0) * _mix(e + salt)
+
+
+@triton.jit
+def _tile_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+              COLS: tl.constexpr):
+    """`_piece_sum` of words over several entries, aligned, in tiles of [BLOCK // COLS entries, COLS
+    words]: for each COLS columns, a lane adds (w + 1) * mix(e + salt) down its column, stepping its
+    word index, address and entry product by addition (one multiply a word), then multiplies that
+    sum by mix(c * W) once."""
+    ROWS: tl.constexpr = BLOCK // COLS
+    r = tl.arange(0, ROWS).to(tl.int64)[:, None]  # int64: the products wrap in 64 bits
+    col = tl.arange(0, COLS).to(tl.int64)
+    end = first + count
+    e = first // wpe + r
+    rows = (end - 1) // wpe + 1 - first // wpe  # entries the piece touches
+    typed = tl.cast(addr, tl.pointer_type(WTYPE))
+    step_h = tl.full([], ROWS, tl.int64) * _MIX
+    acc = tl.zeros([COLS], tl.int64)
+    for c0 in range(0, wpe, COLS):
+        c = c0 + col[None, :]
+        k = e * wpe + c
+        at = typed + e * (stride // W) + c
+        h = (e + salt) * _MIX
+        ok = c < wpe  # a column past the entry's last would be the next entry's
+        down = tl.zeros([ROWS, COLS], tl.int64)
+        for _ in range(0, rows, ROWS):
+            m = ok & (k >= first) & (k < end)
+            w = tl.load(at, mask=m, other=0).to(tl.int64)
+            down += tl.where(m, (w + 1) * _folded(h), 0)
+            k += ROWS * wpe
+            at += ROWS * (stride // W)
+            h += step_h
+        acc += tl.sum(down, axis=0) * _mix((c0 + col) * W)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _shaped_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+    """`_piece_sum`'s sum by the cheapest path for the piece's shape: one entry (`_entry_sum`), or
+    tiles when the piece spans at least a tile's rows of entries at least half a tile wide
+    (`_tile_sum`); else, or off the word alignment, `_piece_sum`."""
+    COLS: tl.constexpr = 64 if BLOCK >= 256 else BLOCK // 4  # tiles of 8 x 64 at BLOCK 512, 4 x 4 at 16
+    aligned = (addr % W == 0) & (stride % W == 0) & (wpe > 0)
+    span = tl.where(wpe > 0, (first + count - 1) // tl.maximum(wpe, 1) - first // tl.maximum(wpe, 1) + 1, 0)
+    if aligned & (span == 1):
+        s = _entry_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
+    elif aligned & (span >= BLOCK // COLS) & (2 * wpe >= COLS):
+        s = _tile_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK, COLS)
     else:
-        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.uint8, 1, BLOCK)
+        s = _piece_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
+    return s
+
+
+@triton.jit
+def _width_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+               SHAPED: tl.constexpr):
+    if SHAPED:
+        s = _shaped_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
+    else:
+        s = _piece_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
+    return s
+
+
+@triton.jit
+def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr, SHAPED: tl.constexpr):
+    """`_piece_sum` (SHAPED: `_shaped_sum`) in the field's word width."""
+    if width == 8:
+        s = _width_sum(addr, stride, wpe, salt, first, count, tl.int64, 8, BLOCK, SHAPED)
+    elif width == 4:
+        s = _width_sum(addr, stride, wpe, salt, first, count, tl.int32, 4, BLOCK, SHAPED)
+    elif width == 2:
+        s = _width_sum(addr, stride, wpe, salt, first, count, tl.int16, 2, BLOCK, SHAPED)
+    else:
+        s = _width_sum(addr, stride, wpe, salt, first, count, tl.uint8, 1, BLOCK, SHAPED)
     return s
 
 
@@ -101,13 +188,30 @@ def checksum_window(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.c
     number of programs: one each when the grid is that number, and a grid fixed whatever the
     window (a captured CUDA graph's) covers them all. SAMPLES: a power of two, at least every
     part's samples."""
-    total = tl.load(block + tl.load(block + 2) + tl.load(block))  # the last buffer's end: every program
-    for pid in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
-        _program(block, pid, SLOTS, CHUNK, BLOCK, SAMPLES)
+    _programs(block, SLOTS, CHUNK, BLOCK, SAMPLES, False)
 
 
 @triton.jit
-def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
+def checksum_window_shaped(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                           SAMPLES: tl.constexpr):
+    """`checksum_window` with the sums of aligned pieces taken by their shape (`_shaped_sum`): fewer
+    integer operations a word. The same sums, bit for bit. A candidate: `bench/checksum_kernel.py`
+    and `bench/verify_cost.py --kernel shaped` time it against `checksum_window`; the library
+    launches `checksum_window`."""
+    _programs(block, SLOTS, CHUNK, BLOCK, SAMPLES, True)
+
+
+@triton.jit
+def _programs(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr,
+              SHAPED: tl.constexpr):
+    total = tl.load(block + tl.load(block + 2) + tl.load(block))  # the last buffer's end: every program
+    for pid in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
+        _program(block, pid, SLOTS, CHUNK, BLOCK, SAMPLES, SHAPED)
+
+
+@triton.jit
+def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr,
+             SHAPED: tl.constexpr):
     """Program `pid` of the block: find its buffer, then sum its runs into their samples' words."""
     buffers = tl.load(block)
     fields = tl.load(block + 1)
@@ -146,7 +250,7 @@ def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.con
             j = r % n
             at = tl.maximum(w0, r * wpr)
             count = tl.minimum(w1, (r + 1) * wpr) - at
-            s = _run_sum(addr + j * unit, n * unit, wpr, salt, (r // n) * wpr + at - r * wpr, count, width, BLOCK)
+            s = _run_sum(addr + j * unit, n * unit, wpr, salt, (r // n) * wpr + at - r * wpr, count, width, BLOCK, SHAPED)
             tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
             r += 1
     else:  # per row or image (entries of `unit` bytes), or list (one entry: the sample's bytes)
@@ -164,7 +268,7 @@ def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.con
             count = tl.minimum(w1, start + size) - at
             if count > 0:
                 wpe = tl.where(listed, size, per)
-                s = _run_sum(addr + start * width, unit, wpe, salt, at - start, count, width, BLOCK)
+                s = _run_sum(addr + start * width, unit, wpe, salt, at - start, count, width, BLOCK, SHAPED)
                 tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
             j += 1
             start += size
