@@ -425,9 +425,6 @@ def check_side_streams(args, dev) -> int:
     return wrong + raised + int(not moved)
 
 
-KERNELS = {"window": "checksum_window", "shaped": "checksum_window_shaped"}  # --kernel: its name in triton_checksum
-
-
 def compiled_variants(kernel) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
@@ -437,8 +434,9 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=200)
     p.add_argument("--rehearse", action="store_true", help="on the CPU, through Triton's interpreter "
                                                           "(TRITON_INTERPRET=1)")
-    p.add_argument("--kernel", choices=KERNELS, default="window", help="the kernel checked: the library's "
-                                                                      "(window) or the candidate (shaped)")
+    p.add_argument("--kernel", choices=("window", "shaped"), default="window",
+                   help="the kernel checked (`triton_checksum.KERNELS`): the library's (window) or the "
+                        "candidate (shaped)")
     args = p.parse_args()
     if args.rehearse:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -449,19 +447,18 @@ def main() -> int:
         round_module.window_checksums = functools.partial(cs.window_checksums, interpret=True)
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
-    from reorder.batch import triton_checksum
+    from reorder.batch.triton_checksum import KERNELS
 
-    kernel = getattr(triton_checksum, KERNELS[args.kernel])
-    cs._KERNEL[:] = [kernel]
+    cs._KERNEL[:] = [KERNELS[args.kernel]]
     offsets = set()
     bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_held_sources(args, dev)
            + check_exchanges(args, dev) + check_torch_exchanges(args, dev) + check_no_wait(args, dev)
            + check_side_streams(args, dev))
-    variants = 1 if args.rehearse else compiled_variants(kernel)
-    print(f"compiled variants: {KERNELS[args.kernel]} {variants} (output offsets multiples of 16: "
+    variants = 1 if args.rehearse else compiled_variants(KERNELS[args.kernel])
+    print(f"compiled variants: {args.kernel} kernel {variants} (output offsets multiples of 16: "
           f"{sorted(offsets)})", flush=True)
     recompiled = int(variants != 1) + int(len(offsets) != 2 and not args.rehearse)
-    print({"ok": bad + recompiled == 0, "kernel": KERNELS[args.kernel], "windows": args.windows,
+    print({"ok": bad + recompiled == 0, "kernel": args.kernel, "windows": args.windows,
            "compiled_once": recompiled == 0, "capturing": cs._CAPTURE[0]})
     return 1 if bad + recompiled else 0
 
