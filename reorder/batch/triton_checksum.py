@@ -111,35 +111,33 @@ def _entry_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl
 
 
 @triton.jit
-def _tile_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+def _tile_sum(addr, stride, wpe, salt, e0, e1, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
               COLS: tl.constexpr):
-    """`_piece_sum` of words over several entries, aligned, in tiles of [BLOCK // COLS entries, COLS
-    words]: for each COLS columns, a lane adds (w + 1) * mix(e + salt) down its column, stepping its
-    word index, address and entry product by addition (one multiply a word), then multiplies that
-    sum by mix(c * W) once. A lane loads its next rows' words before it sums these (`_entry_sum`)."""
+    """`_piece_sum` of whole entries e0 .. e1 - 1, aligned, in tiles of [BLOCK // COLS entries, COLS
+    words]: for each COLS columns, a lane adds (w + 1) * mix(e + salt) down its column, and
+    multiplies that sum by mix(c * W) once. A tile row's address and entry product step by addition
+    (one multiply a word), and a lane loads its next rows' words before it sums these
+    (`_entry_sum`)."""
     ROWS: tl.constexpr = BLOCK // COLS
     r = tl.arange(0, ROWS).to(tl.int64)[:, None]  # int64: the products wrap in 64 bits
     col = tl.arange(0, COLS).to(tl.int64)
-    end = first + count
-    e = first // wpe + r
-    rows = (end - 1) // wpe + 1 - first // wpe  # entries the piece touches
-    typed = tl.cast(addr, tl.pointer_type(WTYPE))
+    pitch = stride // W
     step_h = tl.full([], ROWS, tl.int64) * _MIX
     acc = tl.zeros([COLS], tl.int64)
     for c0 in range(0, wpe, COLS):
         c = c0 + col[None, :]
-        k = e * wpe + c
-        at = typed + e * (stride // W) + c
-        h = (e + salt) * _MIX
         ok = c < wpe  # a column past the entry's last would be the next entry's
+        e = e0 + r
+        row = tl.cast(addr, tl.pointer_type(WTYPE)) + e * pitch
+        h = (e + salt) * _MIX
+        m = ok & (e < e1)
+        w = tl.load(row + c, mask=m, other=0)
         down = tl.zeros([ROWS, COLS], tl.int64)
-        m = ok & (k >= first) & (k < end)
-        w = tl.load(at, mask=m, other=0)
-        for _ in range(0, rows, ROWS):
-            k += ROWS * wpe
-            at += ROWS * (stride // W)
-            m_next = ok & (k < end)  # (k >= first past the first rows)
-            w_next = tl.load(at, mask=m_next, other=0)  # all masked after the last rows: no read
+        for _ in range(e0, e1, ROWS):
+            e += ROWS
+            row += ROWS * pitch
+            m_next = ok & (e < e1)
+            w_next = tl.load(row + c, mask=m_next, other=0)  # all masked after the last rows: no read
             down += tl.where(m, (w.to(tl.int64) + 1) * _folded(h), 0)
             h += step_h
             m, w = m_next, w_next
@@ -149,16 +147,24 @@ def _tile_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.
 
 @triton.jit
 def _shaped_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
-    """`_piece_sum`'s sum by the cheapest path for the piece's shape: one entry (`_entry_sum`), or
-    tiles when the piece spans at least a tile's rows of entries at least half a tile wide
-    (`_tile_sum`); else, or off the word alignment, `_piece_sum`."""
+    """`_piece_sum`'s sum by the cheapest path for the piece's shape, where it is word-aligned: one
+    entry (`_entry_sum`); or, where its whole entries fill at least a tile's rows and are at least
+    half a tile wide, those in tiles (`_tile_sum`) and the parts of entries before and after them by
+    `_entry_sum`; else `_piece_sum`."""
     COLS: tl.constexpr = 64 if BLOCK >= 256 else BLOCK // 4  # tiles of 8 x 64 at BLOCK 512, 4 x 4 at 16
     aligned = (addr % W == 0) & (stride % W == 0) & (wpe > 0)
-    span = tl.where(wpe > 0, (first + count - 1) // tl.maximum(wpe, 1) - first // tl.maximum(wpe, 1) + 1, 0)
-    if aligned & (span == 1):
+    per = tl.maximum(wpe, 1)
+    end = first + count
+    e0 = (first + per - 1) // per  # the whole entries: e0 .. e1 - 1
+    e1 = end // per
+    if aligned & ((first + count - 1) // per == first // per):
         s = _entry_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
-    elif aligned & (span >= BLOCK // COLS) & (2 * wpe >= COLS):
-        s = _tile_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK, COLS)
+    elif aligned & (e1 - e0 >= BLOCK // COLS) & (2 * wpe >= COLS):
+        s = _tile_sum(addr, stride, wpe, salt, e0, e1, WTYPE, W, BLOCK, COLS)
+        if first < e0 * wpe:
+            s += _entry_sum(addr, stride, wpe, salt, first, e0 * wpe - first, WTYPE, W, BLOCK)
+        if e1 * wpe < end:
+            s += _entry_sum(addr, stride, wpe, salt, e1 * wpe, end - e1 * wpe, WTYPE, W, BLOCK)
     else:
         s = _piece_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
     return s
