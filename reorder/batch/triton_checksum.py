@@ -173,6 +173,7 @@ def _shaped_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: t
 @triton.jit
 def _width_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
                SHAPED: tl.constexpr):
+    """The sum of the library's kernel (`_piece_sum`), or of the candidate's (SHAPED: `_shaped_sum`)."""
     if SHAPED:
         s = _shaped_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
     else:
@@ -210,7 +211,7 @@ def checksum_window_shaped(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOC
                            SAMPLES: tl.constexpr):
     """`checksum_window` with the sums of aligned pieces taken by their shape (`_shaped_sum`): fewer
     integer operations a word. The same sums, bit for bit. A candidate: `bench/checksum_kernel.py`
-    and `bench/verify_cost.py --kernel shaped` time it against `checksum_window`; the library
+    and `bench/verify_cost.py --paths kernel,shaped` time it against `checksum_window`; the library
     launches `checksum_window`."""
     _programs(block, SLOTS, CHUNK, BLOCK, SAMPLES, True)
 
@@ -264,7 +265,8 @@ def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.con
             j = r % n
             at = tl.maximum(w0, r * wpr)
             count = tl.minimum(w1, (r + 1) * wpr) - at
-            s = _run_sum(addr + j * unit, n * unit, wpr, salt, (r // n) * wpr + at - r * wpr, count, width, BLOCK, SHAPED)
+            s = _run_sum(addr + j * unit, n * unit, wpr, salt, (r // n) * wpr + at - r * wpr, count, width, BLOCK,
+                         SHAPED)
             tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
             r += 1
     else:  # per row or image (entries of `unit` bytes), or list (one entry: the sample's bytes)
