@@ -1,11 +1,13 @@
 """The self-check's cost table, as the README gives it, from the JSONs of `bench/verify_cost.py`
 (`ci/selfcheck_cost.sh` writes one per setting: cost_{device,early,pinned}_w{1,4,8}.json).
 
-  python bench/verify_cost_table.py DIR
+  python bench/verify_cost_table.py DIR [--path shaped]
 
 One row per JSON: where the micro-batches are, W, the off row's host and device ms, then every
 window's and every 100th's host and device time over off, and, where the JSON has them
-(`--device-busy`), the GPU's busy ms off and every window's busy time over off."""
+(`--device-busy`), the GPU's busy ms off and every window's busy time over off. --path: the checksum
+path whose rows are read from JSONs that time several (`bench/verify_cost.py --paths kernel,shaped`
+names them "every window (shaped)"); a JSON of one path has its rows without the name."""
 
 from __future__ import annotations
 
@@ -23,8 +25,21 @@ def kind(result: dict) -> str:
     return result["inputs"]
 
 
-def table(results: list) -> str:
-    """The markdown table of `results` (parsed JSONs), ordered as INPUTS, then by W."""
+def setting(result: dict, name: str, path: str | None) -> dict:
+    """The row of setting `name` ("every window", ...) of `path` in `result` (the row named without
+    a path where the JSON times one path)."""
+    rows = result["settings"]
+    if name in rows:
+        return rows[name]
+    if path is None:
+        paths = sorted({r["path"] for r in rows.values() if r["path"]})
+        raise ValueError(f"the JSON of {kind(result)} W {result['window']} times the paths {', '.join(paths)}: "
+                         f"name one with --path")
+    return rows[f"{name} ({path})"]
+
+
+def table(results: list, path: str | None = None) -> str:
+    """The markdown table of `results` (parsed JSONs), ordered as INPUTS, then by W; `path`: see --path."""
     order = list(INPUTS)
     results = sorted(results, key=lambda r: (order.index(kind(r)) if kind(r) in order else len(order), r["window"]))
     busy = any("busy_ms" in r["settings"]["off"] for r in results)
@@ -32,8 +47,7 @@ def table(results: list) -> str:
     head += ["off: GPU busy ms", "every window: GPU busy"] if busy else []
     lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
     for r in results:
-        s = r["settings"]
-        off, every, some = s["off"], s["every window"], s["every 100th"]
+        off, every, some = (setting(r, name, path) for name in ("off", "every window", "every 100th"))
         cells = [INPUTS.get(kind(r), kind(r)), str(r["window"]), f"{off['host_ms']:.2f} / {off['device_ms']:.2f}",
                  f"{every['host_ratio']:.2f}×, {every['device_ratio']:.2f}×",
                  f"{some['host_ratio']:.2f}×, {some['device_ratio']:.2f}×"]
@@ -46,11 +60,12 @@ def table(results: list) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
+    p.add_argument("--path", help="the checksum path of JSONs that time several (kernel, torch, shaped)")
     args = p.parse_args(argv)
     found = sorted(args.dir.glob("*.json"))
     if not found:
         p.error(f"{args.dir}: no JSON of bench/verify_cost.py there")
-    print(table([json.loads(f.read_text()) for f in found]))
+    print(table([json.loads(f.read_text()) for f in found], args.path))
     return 0
 
 

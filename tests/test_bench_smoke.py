@@ -480,3 +480,22 @@ class TestVerifyCostTable(expecttest.TestCase):
 |---|---:|---:|---:|---:|---:|---:|
 | on the GPU | 1 | 1.61 / 1.65 | 1.10×, 1.09× | 0.98×, 0.99× | 0.250 | 1.50× |
 | on the GPU | 8 | 6.18 / 6.62 | 1.07×, 1.10× | 1.00×, 0.98× | - | - |""")
+
+    def test_a_table_per_path_of_jsons_that_time_several(self):
+        """`--paths kernel,shaped` names the checked rows by path: each path's table reads its own."""
+        sys.path.insert(0, str(ROOT))
+        from bench.verify_cost_table import table
+
+        run = json.loads((ROOT / "functional_tests/results/selfcheck/cost_ef733b5/cost_device_w1.json").read_text())
+        rows = run["settings"]
+        for name in ("every window", "every 100th"):
+            rows[f"{name} (kernel)"] = rows.pop(name)
+            rows[f"{name} (shaped)"] = dict(rows[f"{name} (kernel)"], path="shaped", host_ratio=1.01, device_ratio=1.02)
+        self.assertExpectedInline(table([run], "shaped"), """\
+| micro-batches | W | off: host / device ms | every window: host, device | every 100th: host, device |
+|---|---:|---:|---:|---:|
+| on the GPU | 1 | 1.61 / 1.65 | 1.01×, 1.02× | 1.01×, 1.02× |""")
+        self.assertIn("| 1.10×, 1.09× |", table([run], "kernel"))
+        with self.assertRaises(ValueError) as e:
+            table([run])
+        self.assertExpectedInline(str(e.exception), """the JSON of device W 1 times the paths kernel, shaped: name one with --path""")
