@@ -498,4 +498,5 @@ class TestVerifyCostTable(expecttest.TestCase):
         self.assertIn("| 1.10×, 1.09× |", table([run], "kernel"))
         with self.assertRaises(ValueError) as e:
             table([run])
-        self.assertExpectedInline(str(e.exception), """the JSON of device W 1 times the paths kernel, shaped: name one with --path""")
+        self.assertExpectedInline(str(e.exception),
+                                  """the JSON of device W 1 times the paths kernel, shaped: name one with --path""")
