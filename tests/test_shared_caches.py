@@ -6,6 +6,7 @@ import functools
 import importlib
 import inspect
 import pkgutil
+import sys
 import types
 
 import numpy as np
@@ -36,7 +37,7 @@ def function_caches() -> dict:
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
     out = {}
-    for name, module in sorted(vars(importlib.import_module("sys")).get("modules").items()):
+    for name, module in sorted(sys.modules.items()):
         if name == "reorder" or name.startswith("reorder."):
             for attr, value in vars(module).items():
                 if isinstance(value, functools._lru_cache_wrapper) and inspect.isfunction(value.__wrapped__) \
