@@ -9,12 +9,21 @@ import inspect
 import sys
 
 
-def clear_caches() -> None:
-    """Empty every function cache of the `reorder` modules imported so far (`functools.lru_cache`
-    around a function; one around a class makes shared values, and is left alone)."""
+def function_caches() -> dict:
+    """'module.name' -> every `functools.lru_cache` around a plain function of the `reorder` modules
+    imported so far, under the module that defines the function (one around a class makes shared
+    values, and is left out)."""
+    out = {}
     for name, module in list(sys.modules.items()):
-        if name != "reorder" and not name.startswith("reorder."):
-            continue
-        for value in vars(module).values():
-            if isinstance(value, functools._lru_cache_wrapper) and inspect.isfunction(value.__wrapped__):
-                value.cache_clear()
+        if name == "reorder" or name.startswith("reorder."):
+            for attr, value in vars(module).items():
+                if isinstance(value, functools._lru_cache_wrapper) and inspect.isfunction(value.__wrapped__) \
+                        and value.__wrapped__.__module__ == name:
+                    out[f"{name}.{attr}"] = value
+    return out
+
+
+def clear_caches() -> None:
+    """Empty every function cache of the `reorder` modules imported so far (`function_caches`)."""
+    for cache in function_caches().values():
+        cache.cache_clear()

@@ -2,11 +2,8 @@
 to change it for the others. Arrays come back read-only; containers are tuples (or read-only
 mappings); nothing else that can be written."""
 
-import functools
 import importlib
-import inspect
 import pkgutil
-import sys
 import types
 
 import numpy as np
@@ -15,6 +12,7 @@ import pytest
 import reorder
 from reorder.plan.counts import SampleCounts
 from reorder.plan.moves import ByteField
+from support import caches
 
 FIELDS = (ByteField("dense", 2, 8), ByteField("row", 1, 12), ByteField("list", 1, 1))
 
@@ -32,18 +30,11 @@ CALLS = {
 
 
 def function_caches() -> dict:
-    """'module.name' -> every `functools.lru_cache` around a plain function in the library."""
+    """`support.caches.function_caches` of every module of the library."""
     for info in pkgutil.walk_packages(reorder.__path__, "reorder."):
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
-    out = {}
-    for name, module in sorted(sys.modules.items()):
-        if name == "reorder" or name.startswith("reorder."):
-            for attr, value in vars(module).items():
-                if isinstance(value, functools._lru_cache_wrapper) and inspect.isfunction(value.__wrapped__) \
-                        and value.__wrapped__.__module__ == name:
-                    out[f"{name}.{attr}"] = value
-    return out
+    return caches.function_caches()
 
 
 def writable(value, where="value") -> list:
