@@ -89,8 +89,8 @@ def _piece_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl
 def _entry_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
     """`_piece_sum` of words all in one entry, aligned: mix(e + salt) is the same for each, so it
     multiplies their sum once; a lane steps its address and its column's product by addition, and
-    loads its next word before it sums this one (two loads in flight a lane: the kernel waits on
-    memory more than it computes)."""
+    loads its next word before it sums this one (two loads in flight a lane, for a kernel that may
+    wait on memory more than it computes: not yet timed on a GPU)."""
     lane = tl.arange(0, BLOCK).to(tl.int64)  # int64: the products wrap in 64 bits
     e = first // wpe
     c = first - e * wpe + lane
