@@ -434,9 +434,10 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=200)
     p.add_argument("--rehearse", action="store_true", help="on the CPU, through Triton's interpreter "
                                                           "(TRITON_INTERPRET=1)")
-    p.add_argument("--kernel", choices=("window", "shaped"), default="window",
-                   help="the kernel checked (`triton_checksum.KERNELS`): the library's (window) or the "
-                        "candidate (shaped)")
+    from reorder.batch.triton_checksum import KERNELS  # (TRITON_INTERPRET, when set, comes with the environment)
+
+    p.add_argument("--kernel", choices=KERNELS, default="window",
+                   help="the kernel checked: the library's (window) or the candidate (shaped)")
     args = p.parse_args()
     if args.rehearse:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -447,8 +448,6 @@ def main() -> int:
         round_module.window_checksums = functools.partial(cs.window_checksums, interpret=True)
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
-    from reorder.batch.triton_checksum import KERNELS
-
     cs._KERNEL[:] = [KERNELS[args.kernel]]
     offsets = set()
     bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_held_sources(args, dev)
