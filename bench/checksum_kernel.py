@@ -2,13 +2,11 @@
 and the grid a launch strides with (4 or 16 programs a multiprocessor, the captured launch's; or one
 program each): device ms a window and GB/s of the buffers summed, on the window the round sums on
 CUDA (what a dp-1 rank read and what it assembled, W realistic Qwen-VL micro-batches on the GPU).
---kernels: the library's kernel (window, `triton_checksum.checksum_window`) and the candidate
-(shaped, `checksum_window_shaped`), side by side. Every variant's sums must equal the first's. CUDA
-only; it picks `checksum.BLOCK` and the grid of `checksum.Graphs`.
+Every variant's sums must equal the first's. CUDA only; it picks `checksum.BLOCK` and the grid of
+`checksum.Graphs`.
 
-  PYTHONPATH=. python bench/checksum_kernel.py [--window 8] [--kernels window,shaped]
-                                               [--blocks 256,512,1024,2048] [--chunks 4096,16384,65536]
-                                               [--reps 20] [--json F]
+  PYTHONPATH=. python bench/checksum_kernel.py [--window 8] [--blocks 256,512,1024,2048]
+                                               [--chunks 4096,16384,65536] [--reps 20] [--json F]
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ def window_parts(dev: torch.device, window: int) -> tuple:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--window", type=int, default=8, help="micro-batches per window")
-    p.add_argument("--kernels", default="window,shaped", help="comma-separated: window (the library's), shaped")
     p.add_argument("--blocks", default="256,512,1024,2048")
     p.add_argument("--chunks", default="4096,16384,65536")
     p.add_argument("--reps", type=int, default=20)
@@ -63,29 +60,23 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/checksum_kernel.py times the Triton kernel on a CUDA device: none is available")
-    from reorder.batch.triton_checksum import KERNELS
-
-    kernels = args.kernels.split(",")
-    if not kernels or set(kernels) - set(KERNELS):
-        p.error(f"--kernels {args.kernels!r}: expected some of {', '.join(KERNELS)}, comma-separated")
     dev = torch.device("cuda", torch.cuda.current_device())
     parts, fields = window_parts(dev, args.window)
     nbytes = sum(t.nbytes for bufs, _ in parts for t in bufs if t is not None)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    kernel = checksum._kernel()
     rows, want = [], None
     print(f"window of {args.window} micro-batches: {len(parts)} parts, {nbytes / 1e6:.1f} MB summed; "
           f"{sms} multiprocessors")
-    print(f"{'kernel':>7} {'BLOCK':>6} {'CHUNK':>6} {'grid':>12} {'programs':>8} {'ms':>7} {'GB/s':>6}  same sums")
-    for name, block, chunk in itertools.product(kernels, map(int, args.blocks.split(",")),
-                                                map(int, args.chunks.split(","))):
+    print(f"{'BLOCK':>6} {'CHUNK':>6} {'grid':>12} {'programs':>8} {'ms':>7} {'GB/s':>6}  same sums")
+    for block, chunk in itertools.product(map(int, args.blocks.split(",")), map(int, args.chunks.split(","))):
         if chunk % block:
             continue
-        kernel = KERNELS[name]
         words, programs, at = checksum.launch_block(parts, fields, None, chunk)
         data = torch.from_numpy(words.copy()).to(dev)
         consts = dict(SLOTS=checksum.CHECKED_FIELDS, CHUNK=chunk, BLOCK=block, SAMPLES=at["samples"])
         compiled = kernel.warmup(data, **consts, grid=(programs,), num_warps=4)
-        for spread, grid in (("4 a SM", 4 * sms), ("16 a SM", 16 * sms), ("one each", programs)):
+        for name, grid in (("4 a SM", 4 * sms), ("16 a SM", 16 * sms), ("one each", programs)):
             def launch():
                 data[at["out_at"]:] = 0
                 compiled[(grid, 1, 1)](data, *consts.values())
@@ -102,12 +93,11 @@ def main():
             sums = data[at["out_at"]:].cpu()
             want = sums if want is None else want
             same = torch.equal(sums, want)
-            rows.append(dict(kernel=name, block=block, chunk=chunk, grid=spread, programs=programs, launched=grid,
-                             ms=ms, gb_per_s=nbytes / ms / 1e6, same=same))
-            print(f"{name:>7} {block:6} {chunk:6} {spread:>12} {programs:8} {ms:7.3f} {nbytes / ms / 1e6:6.0f}  {same}")
-    for name in kernels:
-        best = min((r for r in rows if r["kernel"] == name), key=lambda r: r["ms"])
-        print(f"fastest {name}: BLOCK {best['block']}, CHUNK {best['chunk']}, {best['grid']}: {best['ms']:.3f} ms")
+            rows.append(dict(block=block, chunk=chunk, grid=name, programs=programs, launched=grid, ms=ms,
+                             gb_per_s=nbytes / ms / 1e6, same=same))
+            print(f"{block:6} {chunk:6} {name:>12} {programs:8} {ms:7.3f} {nbytes / ms / 1e6:6.0f}  {same}")
+    best = min(rows, key=lambda r: r["ms"])
+    print(f"fastest: BLOCK {best['block']}, CHUNK {best['chunk']}, {best['grid']}: {best['ms']:.3f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(dev), commit=code_commit(), window=args.window,

@@ -10,11 +10,9 @@ pinned inputs too are read from the device.
 
 Each checked setting runs once per checksum path of --paths: `kernel` (the round's own: on CUDA one
 Triton launch for the sources read in place from pinned host memory, if any, and one for the rest,
-`reorder.batch.checksum.window_checksums`), `torch` (the torch
-ops, the fallback) and `shaped` (the kernel path with the candidate kernel,
-`triton_checksum.checksum_window_shaped`, launched in the library's place), in the same
-alternation, so a kernel's saving is read off one table. On CUDA `kernel,torch` by default;
-elsewhere `kernel` alone (there it is the torch ops).
+`reorder.batch.checksum.window_checksums`) and `torch` (the torch
+ops, the fallback), in the same alternation, so the kernel's saving is read off one table. On CUDA
+both by default; elsewhere `kernel` alone (there it is the torch ops).
 
   PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--inputs pinned|device] [--micro-batch 16]
                                            [--window 1] [--windows 200] [--paths kernel,torch] [--early-copy]
@@ -98,26 +96,16 @@ class Parts:
 
 
 class Path:
-    """A checksum path for the round (`kernel`, `torch`, `shaped`, or `zeros`: nothing summed, zeros
-    of the window's shape on the host, for --ablate), counting the window checksums it computes and
-    those a kernel served."""
+    """A checksum path for the round (`kernel`, `torch`, or `zeros`: nothing summed, zeros of the
+    window's shape on the host, for --ablate), counting the window checksums it computes and those
+    the kernel served."""
 
     def __init__(self, name: str):
         self.name, self.calls, self.kernel, self.samples = name, 0, 0, 0
 
     def __call__(self, parts, fields, device, **kw):
         self.calls += 1
-        got = None
-        if self.name == "kernel":
-            got = checksum.kernel_checksums(parts, fields, device, **kw)
-        elif self.name == "shaped":
-            from reorder.batch.triton_checksum import KERNELS
-
-            library, checksum._KERNEL[:] = checksum._kernel(), [KERNELS["shaped"]]
-            try:
-                got = checksum.kernel_checksums(parts, fields, device, **kw)
-            finally:
-                checksum._KERNEL[:] = [library]
+        got = checksum.kernel_checksums(parts, fields, device, **kw) if self.name == "kernel" else None
         if got is not None:
             self.kernel += 1
         elif self.name == "zeros":
@@ -204,8 +192,8 @@ def main():
     p.add_argument("--warmup", type=int, default=10, help="untimed windows per row first (Triton compiles, caches fill)")
     p.add_argument("--early-copy", action="store_true", help="the exchangers copy each micro-batch to the device "
                                                              "as they count it (early_copy=True)")
-    p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch, shaped (default: kernel,torch "
-                                   "on CUDA, kernel elsewhere)")
+    p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
+                                   "kernel elsewhere)")
     p.add_argument("--ablate", action="store_true", help="every-window rows with a part of the check left out")
     p.add_argument("--device-busy", type=int, default=0, metavar="N",
                    help="CUDA: then N more windows of each row under torch.profiler, for the GPU's busy time a "
@@ -215,8 +203,8 @@ def main():
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     paths = (args.paths or ("kernel,torch" if cuda else "kernel")).split(",")
-    if not paths or set(paths) - {"kernel", "torch", "shaped"}:
-        p.error(f"--paths {args.paths!r}: expected some of kernel, torch, shaped, comma-separated")
+    if not paths or set(paths) - {"kernel", "torch"}:
+        p.error(f"--paths {args.paths!r}: expected kernel, torch or both, comma-separated")
     inputs = args.inputs or ("pinned" if cuda else "host")
     if inputs not in (("pinned", "device") if cuda else ("host",)):
         p.error(f"--inputs {args.inputs!r}: expected " + ("pinned or device" if cuda else "host (no CUDA device)"))

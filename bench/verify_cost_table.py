@@ -1,13 +1,13 @@
 """The self-check's cost table, as the README gives it, from the JSONs of `bench/verify_cost.py`
 (`ci/selfcheck_cost.sh` writes one per setting: cost_{device,early,pinned}_w{1,4,8}.json).
 
-  python bench/verify_cost_table.py DIR [--path shaped]
+  python bench/verify_cost_table.py DIR [--path kernel]
 
 One row per JSON: where the micro-batches are, W, the off row's host and device ms, then every
 window's and every 100th's host and device time over off, and, where the JSON has them
 (`--device-busy`), the GPU's busy ms off and every window's busy time over off. --path: the checksum
-path whose rows are read from JSONs that time several (`bench/verify_cost.py --paths kernel,shaped`
-names them "every window (shaped)"); a JSON of one path has its rows without the name."""
+path whose rows are read from JSONs that time several (`bench/verify_cost.py --paths kernel,torch`
+names them "every window (kernel)"); a JSON of one path has its rows without the name."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def table(results: list, path: str | None = None) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
-    p.add_argument("--path", help="the checksum path of JSONs that time several (kernel, torch, shaped)")
+    p.add_argument("--path", help="the checksum path of JSONs that time several (kernel, torch)")
     args = p.parse_args(argv)
     found = sorted(args.dir.glob("*.json"))
     if not found:

@@ -5,7 +5,7 @@
 # also profiles BUSY windows a row (default 30; 0: none) for the GPU's busy time (--device-busy).
 # Run from the repo root on the GPU machine; JSON, logs and table.md go to ${OUT:-functional_tests/results}/selfcheck_cost.
 # Knobs: WINDOWS (timed windows a row, 150), SETTING_TIMEOUT (s, 120), WINDOW_SIZES ("1 4 8"), PATHS (the
-# checksum paths, "kernel"; "kernel,shaped" times the candidate kernel in the same processes: a table per path).
+# checksum paths, "kernel"; "kernel,torch" times the torch ops in the same processes: a table per path).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 LOG=${OUT:-functional_tests/results}/selfcheck_cost

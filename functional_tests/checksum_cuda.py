@@ -11,13 +11,12 @@ compiled once (the input's offsets multiples of 16 and not); the kernel's first 
 process, compared with the torch ops while the device lags, keeps the kernel; and checked windows
 on alternating streams, each behind a long kernel there, read their own sums.
 
-  python functional_tests/checksum_cuda.py [--windows 200] [--kernel shaped]
+  python functional_tests/checksum_cuda.py [--windows 200]
   TRITON_INTERPRET=1 python functional_tests/checksum_cuda.py --rehearse --windows 10   # on the CPU
 
 Prints one line per check and a summary dict; exits 1 on any mismatch. --rehearse runs the same
 checks on the CPU through Triton's interpreter (pinned and device buffers are host ones there; no
-compile count), so the script itself is exercised where no GPU is. --kernel shaped runs every check
-with the candidate kernel `checksum_window_shaped` in the library's place."""
+compile count), so the script itself is exercised where no GPU is."""
 
 from __future__ import annotations
 
@@ -434,10 +433,6 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=200)
     p.add_argument("--rehearse", action="store_true", help="on the CPU, through Triton's interpreter "
                                                           "(TRITON_INTERPRET=1)")
-    from reorder.batch.triton_checksum import KERNELS  # (TRITON_INTERPRET, when set, comes with the environment)
-
-    p.add_argument("--kernel", choices=KERNELS, default="window",
-                   help="the kernel checked: the library's (window) or the candidate (shaped)")
     args = p.parse_args()
     if args.rehearse:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -448,17 +443,18 @@ def main() -> int:
         round_module.window_checksums = functools.partial(cs.window_checksums, interpret=True)
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
-    cs._KERNEL[:] = [KERNELS[args.kernel]]
     offsets = set()
     bad = (check_first_window(args, dev) + check_windows(args, dev, offsets) + check_held_sources(args, dev)
            + check_exchanges(args, dev) + check_torch_exchanges(args, dev) + check_no_wait(args, dev)
            + check_side_streams(args, dev))
-    variants = 1 if args.rehearse else compiled_variants(KERNELS[args.kernel])
-    print(f"compiled variants: {args.kernel} kernel {variants} (output offsets multiples of 16: "
-          f"{sorted(offsets)})", flush=True)
+    from reorder.batch.triton_checksum import checksum_window
+
+    variants = 1 if args.rehearse else compiled_variants(checksum_window)
+    print(f"compiled variants: checksum kernel {variants} (output offsets multiples of 16: {sorted(offsets)})",
+          flush=True)
     recompiled = int(variants != 1) + int(len(offsets) != 2 and not args.rehearse)
-    print({"ok": bad + recompiled == 0, "kernel": args.kernel, "windows": args.windows,
-           "compiled_once": recompiled == 0, "capturing": cs._CAPTURE[0]})
+    print({"ok": bad + recompiled == 0, "windows": args.windows, "compiled_once": recompiled == 0,
+           "capturing": cs._CAPTURE[0]})
     return 1 if bad + recompiled else 0
 
 

@@ -230,20 +230,20 @@ def test_calibration_bench_on_the_vit_writes_fit_plans_and_gains(tmp_path):
 
 
 def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
-    """bench/verify_cost.py at toy size on the CPU, every checksum path: a row per setting and path
-    (off once), finite host times, the kernels never launched off CUDA, every checked window summed."""
+    """bench/verify_cost.py at toy size on the CPU, both checksum paths: a row per setting and path
+    (off once), finite host times, the kernel never launched off CUDA, every checked window summed."""
     out = tmp_path / "verify.json"
     cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
            "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1",
-           "--paths", "kernel,torch,shaped", "--json", str(out)]
+           "--paths", "kernel,torch", "--json", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["inputs"] == "host"
     rows = got["settings"]
-    assert list(rows) == ["off", "every 100th (kernel)", "every 100th (torch)", "every 100th (shaped)",
-                          "every window (kernel)", "every window (torch)", "every window (shaped)"]
+    assert list(rows) == ["off", "every 100th (kernel)", "every 100th (torch)", "every window (kernel)",
+                          "every window (torch)"]
     assert all(math.isfinite(r["host_ms"]) and r["host_ms"] > 0 and r["device_ms"] is None for r in rows.values())
     assert all(r["kernel_calls"] == 0 for r in rows.values())
     assert rows["off"]["checksum_calls"] == 0 and rows["every window (torch)"]["checksum_calls"] >= 4
@@ -252,34 +252,6 @@ def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
     assert rows["off"]["host_us_by_part"] is None
     every = rows["every window (torch)"]["host_us_by_part"]
     assert every["the other sums + copy"] > 0 and every["comparison"] > 0 and every["held sources' sums"] >= 0
-
-
-def test_the_shaped_path_launches_the_candidate_kernel_and_puts_the_library_s_back(monkeypatch):
-    """verify_cost's `shaped` path: the kernel path with `checksum_window_shaped` in the library's
-    place for its call only, also when the call raises; the `kernel` path with the library's."""
-    pytest.importorskip("triton")
-    from bench.verify_cost import Path as ChecksumPath
-    from reorder.batch import checksum, triton_checksum
-
-    seen = []
-
-    def kernel_checksums(parts, fields, device, **kw):
-        seen.append(checksum._kernel())
-        if kw.get("fail"):
-            raise RuntimeError("launch failed")
-        return np.zeros((2, checksum.CHECKED_FIELDS), dtype=np.int64)
-
-    monkeypatch.setattr(checksum, "_KERNEL", [triton_checksum.checksum_window])
-    monkeypatch.setattr(checksum, "kernel_checksums", kernel_checksums)
-    shaped, library = ChecksumPath("shaped"), ChecksumPath("kernel")
-    shaped([], (), "cuda")
-    library([], (), "cuda")
-    with pytest.raises(RuntimeError, match="launch failed"):
-        shaped([], (), "cuda", fail=True)
-    assert seen == [triton_checksum.checksum_window_shaped, triton_checksum.checksum_window,
-                    triton_checksum.checksum_window_shaped]
-    assert checksum._KERNEL == [triton_checksum.checksum_window]
-    assert (shaped.calls, shaped.kernel, library.kernel) == (2, 1, 1)
 
 
 def test_verify_cost_bench_sums_every_micro_batch_of_a_wider_window(tmp_path):
@@ -351,56 +323,6 @@ def test_checksum_kernel_bench_refuses_without_cuda_and_takes_the_round_s_parts(
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1] == ("bench/checksum_kernel.py times the Triton kernel on a CUDA "
                                                    "device: none is available")
-
-
-SASS = """
-        /*0000*/                   MOV R1, R2 ;
-.L_x_0:
-        /*0010*/                   IADD3 R1, R1, 0x1, RZ ;
-.L_x_1:
-        /*0020*/                   LDG.E.64 R2, desc[UR4][R4.64] ;
-        /*0030*/                   IMAD R3, R2, R2, RZ ;
-        /*0040*/                   IMAD.MOV.U32 R5, RZ, RZ, R3 ;
-        /*0050*/               @P0 BRA `(.L_x_2) ;
-        /*0060*/                   LDG.E.64 R6, desc[UR4][R4.64+0x8] ;
-        /*0070*/                   BRA `(.L_x_3) ;
-.L_x_2:
-        /*0080*/                   LDG.E.U8 R7, desc[UR4][R4.64] ;
-        /*0090*/                   LDG.E.U8 R8, desc[UR4][R4.64+0x1] ;
-.L_x_3:
-        /*00a0*/                   IADD3 R9, R9, R2, RZ ;
-        /*00b0*/              @!P1 BRA `(.L_x_1) ;
-        /*00c0*/              @!P2 BRA `(.L_x_0) ;
-        /*00d0*/                   EXIT ;
-"""
-
-
-def test_the_word_loop_is_the_innermost_loop_as_aligned_words_run_it():
-    """bench/checksum_sass.py reads the inner loop of two (not the outer one, which holds it), and
-    leaves out its block that loads bytes one by one: 8 instructions, 2 word loads, 1 multiply (a
-    move by IMAD.MOV is none)."""
-    pytest.importorskip("triton")
-    from bench.checksum_sass import word_loop
-
-    assert word_loop(SASS) == dict(instructions=8, loads=2, per_word=4.0, multiplies_per_word=0.5)
-    with pytest.raises(ValueError, match="no loop of 64-bit loads"):
-        word_loop(SASS.replace("LDG.E.64", "LDG.E.U8"))
-
-
-def test_checksum_sass_bench_reads_every_path_and_kernel_without_a_gpu(tmp_path):
-    """bench/checksum_sass.py on the CPU (Triton's compiler and its bundled tools): each path's word
-    loop (4 words a lane at 512 lanes and 4 warps) and both kernels' registers, in its JSON."""
-    pytest.importorskip("triton")
-    out = tmp_path / "sass.json"
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "checksum_sass.py"), "--json", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert (got["arch"], got["block"], got["warps"]) == (90, 512, 4)
-    assert len(got["paths"]) == 3 and all(r["loads"] == 4 and r["per_word"] == r["instructions"] / 4
-                                          for r in got["paths"].values())
-    assert set(got["kernels"]) == {"window", "shaped"}
-    assert all(r["registers"] <= 255 and r["programs_per_multiprocessor"] >= 1 for r in got["kernels"].values())
 
 
 def test_busy_time_is_the_union_of_the_gpu_work_inside_each_range():
@@ -482,7 +404,7 @@ class TestVerifyCostTable(expecttest.TestCase):
 | on the GPU | 8 | 6.18 / 6.62 | 1.07×, 1.10× | 1.00×, 0.98× | - | - |""")
 
     def test_a_table_per_path_of_jsons_that_time_several(self):
-        """`--paths kernel,shaped` names the checked rows by path: each path's table reads its own."""
+        """`--paths kernel,torch` names the checked rows by path: each path's table reads its own."""
         sys.path.insert(0, str(ROOT))
         from bench.verify_cost_table import table
 
@@ -490,8 +412,8 @@ class TestVerifyCostTable(expecttest.TestCase):
         rows = run["settings"]
         for name in ("every window", "every 100th"):
             rows[f"{name} (kernel)"] = rows.pop(name)
-            rows[f"{name} (shaped)"] = dict(rows[f"{name} (kernel)"], path="shaped", host_ratio=1.01, device_ratio=1.02)
-        self.assertExpectedInline(table([run], "shaped"), """\
+            rows[f"{name} (torch)"] = dict(rows[f"{name} (kernel)"], path="torch", host_ratio=1.01, device_ratio=1.02)
+        self.assertExpectedInline(table([run], "torch"), """\
 | micro-batches | W | off: host / device ms | every window: host, device | every 100th: host, device |
 |---|---:|---:|---:|---:|
 | on the GPU | 1 | 1.61 / 1.65 | 1.01×, 1.02× | 1.01×, 1.02× |""")
@@ -499,4 +421,4 @@ class TestVerifyCostTable(expecttest.TestCase):
         with self.assertRaises(ValueError) as e:
             table([run])
         self.assertExpectedInline(str(e.exception),
-                                  """the JSON of device W 1 times the paths kernel, shaped: name one with --path""")
+                                  """the JSON of device W 1 times the paths kernel, torch: name one with --path""")

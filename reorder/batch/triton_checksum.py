@@ -38,13 +38,7 @@ _MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as a signed int6
 def _mix(x):
     """checksum.mix on int64 lanes: multiply (wrapping), fold the high bits down (arithmetic shift,
     as torch's >> on int64), set the low bit."""
-    return _folded(x * _MIX)
-
-
-@triton.jit
-def _folded(h):
-    """`_mix`'s fold of h = x * 0x9E3779B97F4A7C15 (a running product: the callers step it by
-    addition instead of multiplying x again)."""
+    h = x * _MIX
     return (h ^ (h >> 29)) | 1
 
 
@@ -86,112 +80,16 @@ def _piece_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl
 
 
 @triton.jit
-def _entry_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
-    """`_piece_sum` of words all in one entry, aligned: mix(e + salt) is the same for each, so it
-    multiplies their sum once; a lane steps its address and its column's product by addition, and
-    loads its next word before it sums this one (two loads in flight a lane, for a kernel that may
-    wait on memory more than it computes: not yet timed on a GPU)."""
-    lane = tl.arange(0, BLOCK).to(tl.int64)  # int64: the products wrap in 64 bits
-    e = first // wpe
-    c = first - e * wpe + lane
-    at = tl.cast(addr, tl.pointer_type(WTYPE)) + e * (stride // W) + c
-    h = c * W * _MIX
-    step = tl.full([], BLOCK * W, tl.int64) * _MIX
-    acc = tl.zeros([BLOCK], tl.int64)
-    m = lane < count
-    w = tl.load(at, mask=m, other=0)
-    for done in range(BLOCK, count + BLOCK, BLOCK):
-        m_next = lane < count - done
-        w_next = tl.load(at + BLOCK, mask=m_next, other=0)  # all masked after the last: no read
-        acc += tl.where(m, (w.to(tl.int64) + 1) * _folded(h), 0)
-        at += BLOCK
-        h += step
-        m, w = m_next, w_next
-    return tl.sum(acc, axis=0) * _mix(e + salt)
-
-
-@triton.jit
-def _tile_sum(addr, stride, wpe, salt, e0, e1, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
-              COLS: tl.constexpr):
-    """`_piece_sum` of whole entries e0 .. e1 - 1, aligned, in tiles of [BLOCK // COLS entries, COLS
-    words]: for each COLS columns, a lane adds (w + 1) * mix(e + salt) down its column, and
-    multiplies that sum by mix(c * W) once. A tile row's address and entry product step by addition
-    (one multiply a word), and a lane loads its next rows' words before it sums these
-    (`_entry_sum`)."""
-    ROWS: tl.constexpr = BLOCK // COLS
-    r = tl.arange(0, ROWS).to(tl.int64)[:, None]  # int64: the products wrap in 64 bits
-    col = tl.arange(0, COLS).to(tl.int64)
-    pitch = stride // W
-    step_h = tl.full([], ROWS, tl.int64) * _MIX
-    acc = tl.zeros([COLS], tl.int64)
-    for c0 in range(0, wpe, COLS):
-        c = c0 + col[None, :]
-        ok = c < wpe  # a column past the entry's last would be the next entry's
-        e = e0 + r
-        row = tl.cast(addr, tl.pointer_type(WTYPE)) + e * pitch
-        h = (e + salt) * _MIX
-        m = ok & (e < e1)
-        w = tl.load(row + c, mask=m, other=0)
-        down = tl.zeros([ROWS, COLS], tl.int64)
-        for _ in range(e0, e1, ROWS):
-            e += ROWS
-            row += ROWS * pitch
-            m_next = ok & (e < e1)
-            w_next = tl.load(row + c, mask=m_next, other=0)  # all masked after the last rows: no read
-            down += tl.where(m, (w.to(tl.int64) + 1) * _folded(h), 0)
-            h += step_h
-            m, w = m_next, w_next
-        acc += tl.sum(down, axis=0) * _mix((c0 + col) * W)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _shaped_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
-    """`_piece_sum`'s sum by the cheapest path for the piece's shape, where it is word-aligned: one
-    entry (`_entry_sum`); or, where its whole entries fill at least a tile's rows and are at least
-    half a tile wide, those in tiles (`_tile_sum`) and the parts of entries before and after them by
-    `_entry_sum`; else `_piece_sum`."""
-    COLS: tl.constexpr = 64 if BLOCK >= 256 else BLOCK // 4  # tiles of 8 x 64 at BLOCK 512, 4 x 4 at 16
-    aligned = (addr % W == 0) & (stride % W == 0) & (wpe > 0)
-    per = tl.maximum(wpe, 1)
-    end = first + count
-    e0 = (first + per - 1) // per  # the whole entries: e0 .. e1 - 1
-    e1 = end // per
-    if aligned & ((first + count - 1) // per == first // per):
-        s = _entry_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
-    elif aligned & (e1 - e0 >= BLOCK // COLS) & (2 * wpe >= COLS):
-        s = _tile_sum(addr, stride, wpe, salt, e0, e1, WTYPE, W, BLOCK, COLS)
-        if first < e0 * wpe:
-            s += _entry_sum(addr, stride, wpe, salt, first, e0 * wpe - first, WTYPE, W, BLOCK)
-        if e1 * wpe < end:
-            s += _entry_sum(addr, stride, wpe, salt, e1 * wpe, end - e1 * wpe, WTYPE, W, BLOCK)
-    else:
-        s = _piece_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
-    return s
-
-
-@triton.jit
-def _width_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
-               SHAPED: tl.constexpr):
-    """The sum of the library's kernel (`_piece_sum`), or of the candidate's (SHAPED: `_shaped_sum`)."""
-    if SHAPED:
-        s = _shaped_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
-    else:
-        s = _piece_sum(addr, stride, wpe, salt, first, count, WTYPE, W, BLOCK)
-    return s
-
-
-@triton.jit
-def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr, SHAPED: tl.constexpr):
-    """`_piece_sum` (SHAPED: `_shaped_sum`) in the field's word width."""
+def _run_sum(addr, stride, wpe, salt, first, count, width, BLOCK: tl.constexpr):
+    """`_piece_sum` in the field's word width."""
     if width == 8:
-        s = _width_sum(addr, stride, wpe, salt, first, count, tl.int64, 8, BLOCK, SHAPED)
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int64, 8, BLOCK)
     elif width == 4:
-        s = _width_sum(addr, stride, wpe, salt, first, count, tl.int32, 4, BLOCK, SHAPED)
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int32, 4, BLOCK)
     elif width == 2:
-        s = _width_sum(addr, stride, wpe, salt, first, count, tl.int16, 2, BLOCK, SHAPED)
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.int16, 2, BLOCK)
     else:
-        s = _width_sum(addr, stride, wpe, salt, first, count, tl.uint8, 1, BLOCK, SHAPED)
+        s = _piece_sum(addr, stride, wpe, salt, first, count, tl.uint8, 1, BLOCK)
     return s
 
 
@@ -203,30 +101,13 @@ def checksum_window(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.c
     number of programs: one each when the grid is that number, and a grid fixed whatever the
     window (a captured CUDA graph's) covers them all. SAMPLES: a power of two, at least every
     part's samples."""
-    _programs(block, SLOTS, CHUNK, BLOCK, SAMPLES, False)
-
-
-@triton.jit
-def checksum_window_shaped(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                           SAMPLES: tl.constexpr):
-    """`checksum_window` with the sums of aligned pieces taken by their shape (`_shaped_sum`): fewer
-    integer operations a word. The same sums, bit for bit. A candidate: `bench/checksum_kernel.py`
-    and `bench/verify_cost.py --paths kernel,shaped` time it against `checksum_window`; the library
-    launches `checksum_window`."""
-    _programs(block, SLOTS, CHUNK, BLOCK, SAMPLES, True)
-
-
-@triton.jit
-def _programs(block, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr,
-              SHAPED: tl.constexpr):
     total = tl.load(block + tl.load(block + 2) + tl.load(block))  # the last buffer's end: every program
     for pid in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
-        _program(block, pid, SLOTS, CHUNK, BLOCK, SAMPLES, SHAPED)
+        _program(block, pid, SLOTS, CHUNK, BLOCK, SAMPLES)
 
 
 @triton.jit
-def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr,
-             SHAPED: tl.constexpr):
+def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
     """Program `pid` of the block: find its buffer, then sum its runs into their samples' words."""
     buffers = tl.load(block)
     fields = tl.load(block + 1)
@@ -265,8 +146,7 @@ def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.con
             j = r % n
             at = tl.maximum(w0, r * wpr)
             count = tl.minimum(w1, (r + 1) * wpr) - at
-            s = _run_sum(addr + j * unit, n * unit, wpr, salt, (r // n) * wpr + at - r * wpr, count, width, BLOCK,
-                         SHAPED)
+            s = _run_sum(addr + j * unit, n * unit, wpr, salt, (r // n) * wpr + at - r * wpr, count, width, BLOCK)
             tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
             r += 1
     else:  # per row or image (entries of `unit` bytes), or list (one entry: the sample's bytes)
@@ -284,12 +164,7 @@ def _program(block, pid, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.con
             count = tl.minimum(w1, start + size) - at
             if count > 0:
                 wpe = tl.where(listed, size, per)
-                s = _run_sum(addr + start * width, unit, wpe, salt, at - start, count, width, BLOCK, SHAPED)
+                s = _run_sum(addr + start * width, unit, wpe, salt, at - start, count, width, BLOCK)
                 tl.atomic_add(out + (row0 + j) * SLOTS, s, sem="relaxed")
             j += 1
             start += size
-
-
-# the kernels by the names the benchmarks and GPU checks take: the library's (launched by `checksum`)
-# and the candidate
-KERNELS = {"window": checksum_window, "shaped": checksum_window_shaped}
