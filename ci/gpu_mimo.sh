@@ -22,7 +22,8 @@
 #   enctp2      encoder tp 2 x dp 2 + language dp 4 (fan-out 2)                          4 + 4 = 8
 #   combo       encoder tp 2 x dp 1 + language pp 3 x dp 2 (fan-out 2, a middle stage)   2 + 6 = 8
 #   tp2pp2      encoder dp 2 + language tp 2 x pp 2 x dp 2 (only with TP_PP_WIDE=1)     2 + 8 = 10
-# MAX_RANKS (0: no limit) holds a job back until the running jobs' ranks leave room for it; ONLY (an
+# MAX_RANKS holds a job back until the running jobs' ranks leave room for it (default 24 a GPU: the whole
+# set at once, 31 jobs, put over 150 ranks on one H200 and most of them ran out of memory; 0: no limit); ONLY (an
 # extended regex) runs the jobs whose names match, e.g. ONLY='soak_(pp2|combo)'. DEADLINE (s, from the
 # start) cuts every job's timeout so that all end by then and the summary and the tar are still
 # written (a machine lent for a fixed time returns only what is written); a job that would start
@@ -46,7 +47,8 @@ ${PYTHON:-python3} -c "import megatron.core, torch; print('megatron-core', megat
   > "$LOG/mimo_logs/versions.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG/mimo_logs/versions.txt" 2>/dev/null
 MIMO_SET=${MIMO_SET:-base}
-MAX_RANKS=${MAX_RANKS:-0}
+GPUS=$(${PYTHON:-python3} -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+MAX_RANKS=${MAX_RANKS:-$(( 24 * (GPUS > 0 ? GPUS : 1) ))}
 TP_PP_SOAK_ITERS=${TP_PP_SOAK_ITERS:-300}
 case "$MIMO_SET" in base|tp_pp|tp_pp_soak|all) ;; *) echo "MIMO_SET=$MIMO_SET: base, tp_pp, tp_pp_soak or all" >&2; exit 2 ;; esac
 declare -A RUNNING=()  # pid -> ranks of the jobs started
