@@ -53,11 +53,13 @@ import argparse
 import contextlib
 import copy
 import datetime
+import faulthandler
 import functools
 import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -1086,6 +1088,10 @@ def main(argv=None):
     if argv[:1] == ["--summarize"]:
         sys.exit(summarize(argv[1]))
     args = parse(argv)
+    # a rank stopped by its launcher (another rank failed, or a timeout) prints every thread's stack
+    # first: a hang then says where each rank's threads waited
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     if args.device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     init_torchrun(cuda=args.device == "cuda")

@@ -48,7 +48,10 @@ def _piece_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl
     """The sum over `count` words from word `first` of a piece of W-byte words (the wrapping int64
     sum of (w + 1) * mix(c) * mix(e + salt)). A word is read as checksum.py reads it: W = 1
     unsigned, wider ones signed. With address and stride multiples of W the words are loaded as
-    WTYPE; otherwise byte by byte, little-endian, then sign-extended."""
+    WTYPE; otherwise byte by byte, little-endian, then sign-extended. Aligned, the next BLOCK words
+    are loaded before these are summed: each lane has two loads in flight, where one kept the H200
+    waiting on memory (on an H200 a window of 8 micro-batches summed in 0.451 ms against 0.483 with
+    one, `bench/checksum_kernel.py`; 128 registers a lane against 151 compiled for sm_90)."""
     lane = tl.arange(0, BLOCK)
     k = first + lane
     e = k // wpe  # entry and word in the entry of each lane, advanced by BLOCK words per step
@@ -59,23 +62,35 @@ def _piece_sum(addr, stride, wpe, salt, first, count, WTYPE: tl.constexpr, W: tl
     typed = tl.cast(addr, tl.pointer_type(WTYPE))
     raw = tl.cast(addr, tl.pointer_type(tl.uint8))
     acc = tl.zeros([BLOCK], tl.int64)
-    for at in range(0, count, BLOCK):
-        m = lane < count - at
-        if aligned:
-            w = tl.load(typed + e * (stride // W) + c, mask=m, other=0).to(tl.int64)
-        else:
+    if aligned:
+        ws = stride // W
+        m = lane < count
+        w = tl.load(typed + e * ws + c, mask=m, other=0)
+        for at in range(0, count, BLOCK):
+            c2 = c + step_c
+            e2 = e + step_e
+            wrap = c2 >= wpe
+            c2 = tl.where(wrap, c2 - wpe, c2)
+            e2 = tl.where(wrap, e2 + 1, e2)
+            m2 = lane < count - at - BLOCK
+            w2 = tl.load(typed + e2 * ws + c2, mask=m2, other=0)
+            acc += tl.where(m, (w.to(tl.int64) + 1) * _mix(c * W) * _mix(e + salt), 0)
+            w, c, e, m = w2, c2, e2, m2
+    else:
+        for at in range(0, count, BLOCK):
+            m = lane < count - at
             off = e * stride + c * W
             w = tl.zeros([BLOCK], tl.int64)
             for b in tl.static_range(W):
                 w = w | (tl.load(raw + off + b, mask=m, other=0).to(tl.int64) << (8 * b))
             if W > 1 and W < 8:
                 w = (w << (64 - 8 * W)) >> (64 - 8 * W)
-        acc += tl.where(m, (w + 1) * _mix(c * W) * _mix(e + salt), 0)
-        c += step_c
-        e += step_e
-        wrap = c >= wpe
-        c = tl.where(wrap, c - wpe, c)
-        e = tl.where(wrap, e + 1, e)
+            acc += tl.where(m, (w + 1) * _mix(c * W) * _mix(e + salt), 0)
+            c += step_c
+            e += step_e
+            wrap = c >= wpe
+            c = tl.where(wrap, c - wpe, c)
+            e = tl.where(wrap, e + 1, e)
     return tl.sum(acc, axis=0)
 
 
