@@ -157,16 +157,18 @@ def check_kernel_interpreted():
 
     def long_runs(seed):
         """Runs of many steps that cross entries: rows of 3 words (8 bytes, and 2 bytes read byte by
-        byte off their alignment), images of 37 words, dense rows of 40, in blocks of 16 lanes: each
-        lane's entry, word, mixes and address, carried from step to step, wrap where they must."""
+        byte off their alignment), rows of 70 (wider than a block of 64 lanes), images of 37 words,
+        dense rows of 40, in blocks of 16 lanes and more: each lane's entry, word, mixes and address,
+        carried from step to step (the next step's words loaded ahead), wrap where they must."""
         rng = np.random.default_rng(seed)
         n = 3
         counts = SampleCounts.of(rows=rng.integers(10, 30, n), images=rng.integers(1, 4, n))
         rows, images = int(counts.rows.sum()), int(counts.images.sum())
         fields = (ByteField("dense", 2, 40 * 8), ByteField("row", 1, 24), ByteField("row", 1, 6),
-                  ByteField("image", 1, 37 * 4))
+                  ByteField("row", 1, 70 * 8), ByteField("image", 1, 37 * 4))
         bufs = [buffer(rng, torch.int64, (2, n, 40), 0), buffer(rng, torch.int64, (rows, 3), 0),
-                buffer(rng, torch.uint8, (rows, 6), 1), buffer(rng, torch.int32, (images, 37), 0)]
+                buffer(rng, torch.uint8, (rows, 6), 1), buffer(rng, torch.int64, (rows, 70), 0),
+                buffer(rng, torch.int32, (images, 37), 0)]
         parts = [(bufs, counts)]
         want = cs.torch_checksums(parts, fields)
         for block, chunk in [(16, 16), (16, 48), (64, 128)]:
