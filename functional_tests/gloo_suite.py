@@ -103,6 +103,8 @@ def run(args, placed=None) -> dict:
     module, grid = groups.module, groups.grid
     cost = CostModel(language_weight=args.language_weight)
     coll = groups.side if args.overlap else groups.main
+    if coll is not None and args.launch_rendezvous:
+        coll.launch_rendezvous = True
     ex = WindowExchanger(grid=grid, micro_batch_size=args.micro_batch, cost=cost, balancer=args.balancer,
                          window_size=args.window, collectives=coll, device=device)
     source = rank_source(args, module, grid.dp, grid.rank, device)
@@ -228,6 +230,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-dir", default=None, help="every rank writes rank<N>.json here when its stream ends")
     p.add_argument("--bridge", action="store_true", help="send sample ids vision -> language after each micro-batch")
+    p.add_argument("--launch-rendezvous", action="store_true",
+                   help="the overlap pair meets before each all_to_all as it does with NCCL payloads")
     p.add_argument("--uncaught", action="store_true", help="a rank's error ends its process (as in training)")
     args = p.parse_args(argv)
     if args.bridge and args.vision_dp and args.language_dp % args.vision_dp:

@@ -34,6 +34,17 @@ def test_heterogeneous_world(layout, overlap, window):
     assert result["case"] == "ok" and result["micro_batches"] == 5
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"v{x[0]}l{x[1]}")
+def test_overlap_meeting_before_each_all_to_all(layout):
+    """The overlap pair's meeting on Gloo right before each all_to_all (on by itself for NCCL payloads;
+    forced here), in real processes: every window arrives, checked, and the worker ends."""
+    dv, dl, b = layout
+    argv = ["--vision-dp", str(dv), "--language-dp", str(dl), "--micro-batch", str(b), "--window", "2",
+            "--overlap", "--launch-rendezvous", "--micro-batches", "5"]
+    result = gloo_suite.launch(argv, dv + dl)
+    assert result["case"] == "ok" and result["micro_batches"] == 5
+
+
 @pytest.mark.parametrize("layout", [(2, 4, 8), (1, 2, 4), (2, 2, 8)], ids=lambda x: f"v{x[0]}l{x[1]}")
 def test_bridge_sends_each_language_rank_its_own_samples(layout):
     """--bridge: vision ranks send their samples' ids point-to-point to the language ranks they feed, by

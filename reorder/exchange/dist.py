@@ -7,12 +7,16 @@ where the micro-batches live (NCCL for CUDA tensors, Gloo for host ones). The fi
 metadata of a synchronous exchange travels on the data group too when that has NCCL (a private CUDA
 stream, pinned staging buffers: ~0.1 ms instead of Gloo's 0.3+ ms, and it never waits for the
 training stream's queued kernels), else on Gloo; `meta_backend="gloo"` forces Gloo. The overlap
-thread's metadata always travels on Gloo: it is the window's rendezvous, so the thread puts a
-collective on the device only once every peer's thread has reached the same window and goes on to
-launch its own without waiting for its consumer. A device collective that waited for a peer's thread
+thread's metadata always travels on Gloo, and that thread meets its peers on Gloo once more right
+before its all_to_all, once the receive buffer is allocated: it puts a collective on the device only
+when every peer's thread is at the same launch. A device collective that waited for a peer's thread
 would hold up a training loop that synchronizes the whole device (Megatron's pipeline P2P does), while
 that peer's thread waits for its consumer, which may wait for this rank's pipeline stage: a deadlock
-(`functional_tests/overlap_sync_cuda.py` shows it). Its latency is hidden behind the training step.
+(`functional_tests/overlap_sync_cuda.py` shows it). The window's frame alone does not suffice: between
+it and the launch a thread may wait for its whole device, and so for its consumer's queued
+collectives. A kernel's first launch in a process (CUDA loads modules lazily), a Triton compile or
+module load, a CUDA graph capture and a cudaFree under memory pressure each waited for a kernel
+running on another stream (one H200). The latency of both meetings is hidden behind the training step.
 """
 
 from __future__ import annotations
@@ -35,14 +39,16 @@ class TorchCollectives:
     on a private stream; a peer that does not arrive within `timeout` seconds raises CollectiveError
     (polled), like Gloo's timeout, instead of blocking forever. spin: seconds to poll without
     sleeping first (lowest latency for a synchronous exchange; 0 on the overlap thread, where polling
-    would hold the GIL that the training thread needs)."""
+    would hold the GIL that the training thread needs). launch_rendezvous: meet every peer on the
+    Gloo group right before each all_to_all (the overlap thread's pair, module docstring)."""
 
     def __init__(self, meta_group, data_group, *, meta_on_device: bool = False, timeout: float = 300.0,
-                 spin: float = 2e-4):
+                 spin: float = 2e-4, launch_rendezvous: bool = False):
         self.meta_group, self.data_group = meta_group, data_group
         self.rank = dist.get_rank(meta_group)
         self.size = dist.get_world_size(meta_group)
         self.meta_on_device, self.timeout, self.spin = meta_on_device, timeout, spin
+        self.launch_rendezvous = launch_rendezvous
         self._meta = {}  # (device, dtype, shape) -> (stream, pinned in, device in, device out, pinned out, event)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -78,8 +84,11 @@ class TorchCollectives:
         return h_out.clone()
 
     def all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
+        # allocated before the meeting: an allocation that has to free cached blocks waits for the device
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
         try:
+            if self.launch_rendezvous:  # a host tensor: Gloo's collective never touches a device
+                dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=self.meta_group)
             dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
                                    input_split_sizes=list(send_splits), group=self.data_group)
         except RuntimeError as e:
@@ -173,7 +182,8 @@ def build_groups(modules: dict, *, device=None, data_backend: str | None = None,
                         coll = TorchCollectives(meta, data, timeout=timeout.total_seconds(),
                                                 meta_on_device=(pair == "main" and meta_backend == "auto"
                                                                 and "nccl" in data_backend),
-                                                spin=2e-4 if pair == "main" else 0.0)
+                                                spin=2e-4 if pair == "main" else 0.0,
+                                                launch_rendezvous=pair == "side" and "nccl" in data_backend)
                         if pair == "main":
                             main = coll
                         else:
