@@ -3,8 +3,8 @@
 # checksum kernel bit for bit against the torch ops, dp-1 windows, timed_step's CUDA events, the
 # calibration's fitted gain on the benchmark ViT,
 # the Megatron-Bridge drop-in at dp 1, host time and ops of a window and of its parts, executor
-# bandwidth, planning at dp 64 and 1024). Run from the repo root on the GPU machine; logs and JSON go to
-# ${OUT:-functional_tests/results}. The two-GPU suite is ci/gpu.sh.
+# bandwidth, planning at dp 64 and 1024, which host calls wait for the whole device). Run from the repo
+# root on the GPU machine; logs and JSON go to ${OUT:-functional_tests/results}. The two-GPU suite is ci/gpu.sh.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 LOG=${OUT:-functional_tests/results}
@@ -25,6 +25,7 @@ run single_gpu python3 bench/single_gpu.py --out "$LOG/single_gpu.json"
 run host_parts python3 bench/host_parts.py --out "$LOG/host_parts.json"
 run executors_bench python3 bench/executors.py --out "$LOG/executors.json"
 run checksum_cuda python3 functional_tests/checksum_cuda.py
+run device_waits python3 functional_tests/device_waits_cuda.py
 run verify_cost python3 bench/verify_cost.py --json "$LOG/verify_cost.json"
 run calibrate_cuda python3 functional_tests/calibrate_cuda.py
 run calibrate_vit python3 bench/calibrate_vit.py --json "$LOG/calibrate_vit.json"
