@@ -15,8 +15,9 @@ that peer's thread waits for its consumer, which may wait for this rank's pipeli
 (`functional_tests/overlap_sync_cuda.py` shows it). The window's frame alone does not suffice: between
 it and the launch a thread may wait for its whole device, and so for its consumer's queued
 collectives. A kernel's first launch in a process (CUDA loads modules lazily), a Triton compile or
-module load, a CUDA graph capture and a cudaFree under memory pressure each waited for a kernel
-running on another stream (one H200). The latency of both meetings is hidden behind the training step.
+module load, a CUDA graph capture and a cudaFree (an allocation that frees cached blocks makes one)
+each waited for a kernel running on another stream (`functional_tests/device_waits_cuda.py`, one
+H200). The latency of both meetings is hidden behind the training step.
 """
 
 from __future__ import annotations

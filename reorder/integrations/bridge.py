@@ -538,9 +538,10 @@ class ReorderingBuffer:
 
                 # metadata over Gloo, on the host. spin 0 on the overlap thread: a busy poll there
                 # would hold the GIL the training thread needs; a synchronous exchange polls 0.2 ms
-                # first for the lowest latency
+                # first for the lowest latency. The overlap thread meets its peers on Gloo before each
+                # all_to_all (`reorder.exchange.dist`: a deadlock otherwise)
                 collectives = TorchCollectives(gloo, data, meta_on_device=False,
-                                               spin=0.0 if self._overlap else 2e-4)
+                                               spin=0.0 if self._overlap else 2e-4, launch_rendezvous=self._overlap)
         ex = WindowExchanger(grid=grid, micro_batch_size=global_batch, balancer=self._balancer,
                              window_size=self._window_size, collectives=collectives, verify=self._verify,
                              device=self._device if grid.dp > 1 else None,

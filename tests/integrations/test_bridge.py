@@ -502,6 +502,7 @@ def _worker_ends(rank, world, stop_early):
     first = next(buf)
     thread = buf._thread
     assert thread is not None and thread.is_alive()
+    assert buf._inner._ex.collectives.launch_rendezvous  # the overlap thread meets its peers before each launch
     if stop_early:
         buf.shutdown()
         thread.join(5.0)
