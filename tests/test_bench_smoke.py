@@ -254,6 +254,31 @@ def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
     assert every["the other sums + copy"] > 0 and every["comparison"] > 0 and every["held sources' sums"] >= 0
 
 
+def test_verify_step_cost_bench_times_training_steps_with_and_without_the_check(tmp_path):
+    """bench/verify_step_cost.py at toy size on the CPU: the four rows (overlap off and on, the check
+    off and every window), each timed over its blocks, ratios against its own overlap's row without
+    the check, and every checked row verified the windows it served (none when off)."""
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "verify_step_cost.py"), "--device", "cpu", "--micro-batch", "8",
+           "--seq-len", "256", "--features", "8", "--mix", "small", "--matmul", "64", "--step-ms", "1",
+           "--steps", "4", "--blocks", "2", "--window", "2", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())["settings"]
+    assert list(rows) == ["overlap off, check off", "overlap off, every window", "overlap on, check off",
+                          "overlap on, every window"]
+    for r in rows.values():
+        assert len(r["blocks_ms"]) == 2 and all(math.isfinite(x) and x > 0 for x in r["blocks_ms"])
+        assert r["ratio"] == pytest.approx(r["step_ms"] / rows[f"overlap {'on' if r['overlap'] else 'off'}, "
+                                                                 "check off"]["step_ms"])
+        # 3 blocks of 4 steps: 6 windows of 2 served (the overlap thread prepares one more); a window
+        # that moves nothing holds nothing to check, the others are compared at the next window
+        assert 0 < r["verified_windows"] <= 7 if r["verify"] else r["verified_windows"] == 0
+    res = subprocess.run(cmd[:-2] + ["--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "--steps 3: expected a multiple of --window 2" in res.stderr
+
+
 def test_verify_cost_bench_sums_every_micro_batch_of_a_wider_window(tmp_path):
     """--window 3: every checksum call sums the 3 micro-batches of its window twice (as read and as
     assembled: on the host, one call a window), but a micro-batch kept as it is once (what it hands out
