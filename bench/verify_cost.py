@@ -178,6 +178,27 @@ def device_busy(ex: dict, impl: dict, window_of, first: int, n: int, dev) -> dic
             for name, got in ranges.items()}
 
 
+def inputs_of(p: argparse.ArgumentParser, args, cuda: bool) -> str:
+    """--inputs checked (its default: pinned on CUDA, else host), or the parser's error naming it."""
+    inputs = args.inputs or ("pinned" if cuda else "host")
+    if inputs not in (("pinned", "device") if cuda else ("host",)):
+        p.error(f"--inputs {args.inputs!r}: expected " + ("pinned or device" if cuda else "host (no CUDA device)"))
+    return inputs
+
+
+def micro_batches(args, inputs: str, dev: torch.device) -> list:
+    """8 synthetic global micro-batches of the arguments' shape and mix, where `inputs` says: pinned
+    host memory, the device, or the host."""
+    rng = np.random.default_rng(0)
+    batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
+                                     first_id=k * args.micro_batch) for k in range(8)]
+    if inputs == "pinned":
+        return [syn.pin(b) for b in batches]
+    if inputs == "device":
+        return [syn.to_device(b, dev) for b in batches]
+    return batches
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -205,20 +226,12 @@ def main():
     paths = (args.paths or ("kernel,torch" if cuda else "kernel")).split(",")
     if not paths or set(paths) - {"kernel", "torch"}:
         p.error(f"--paths {args.paths!r}: expected kernel, torch or both, comma-separated")
-    inputs = args.inputs or ("pinned" if cuda else "host")
-    if inputs not in (("pinned", "device") if cuda else ("host",)):
-        p.error(f"--inputs {args.inputs!r}: expected " + ("pinned or device" if cuda else "host (no CUDA device)"))
+    inputs = inputs_of(p, args, cuda)
     if not 1 <= args.window <= 8:
         p.error(f"--window {args.window}: expected 1 to 8 micro-batches")
     if args.device_busy and not cuda:
         p.error(f"--device-busy {args.device_busy}: needs a CUDA device (the GPU's busy time)")
-    rng = np.random.default_rng(0)
-    batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
-                                     first_id=k * args.micro_batch) for k in range(8)]
-    if inputs == "pinned":
-        batches = [syn.pin(b) for b in batches]
-    elif inputs == "device":
-        batches = [syn.to_device(b, dev) for b in batches]
+    batches = micro_batches(args, inputs, dev)
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
     rows = rows_of(paths, args.ablate)
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,

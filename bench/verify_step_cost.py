@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from bench.common import code_commit, cpu_name, synchronizer
+from bench.verify_cost import inputs_of, micro_batches
 from reorder import CostModel, Grid, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
@@ -76,19 +77,11 @@ def main():
     args = p.parse_args()
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    inputs = args.inputs or ("pinned" if cuda else "host")
-    if inputs not in (("pinned", "device") if cuda else ("host",)):
-        p.error(f"--inputs {args.inputs!r}: expected " + ("pinned or device" if cuda else "host (no CUDA device)"))
+    inputs = inputs_of(p, args, cuda)
     if args.steps % args.window:
         p.error(f"--steps {args.steps}: expected a multiple of --window {args.window}")
     sync = synchronizer(dev)
-    rng = np.random.default_rng(0)
-    batches = [syn.make_global_batch(rng, args.micro_batch, args.seq_len, features=args.features, mix=args.mix,
-                                     first_id=k * args.micro_batch) for k in range(8)]
-    if inputs == "pinned":
-        batches = [syn.pin(b) for b in batches]
-    elif inputs == "device":
-        batches = [syn.to_device(b, dev) for b in batches]
+    batches = micro_batches(args, inputs, dev)
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
     work = Work(dev, args.matmul, args.step_ms, sync)
     ex, bufs, its = {}, [], {}
