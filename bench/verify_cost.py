@@ -178,6 +178,17 @@ def device_busy(ex: dict, impl: dict, window_of, first: int, n: int, dev) -> dic
             for name, got in ranges.items()}
 
 
+def add_input_args(p: argparse.ArgumentParser) -> None:
+    """The device and the micro-batches' arguments, which `inputs_of` and `micro_batches` read."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--inputs", help="where the micro-batches are: pinned (host memory, the default on CUDA) or "
+                                    "device (on the GPU already); host elsewhere")
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--features", type=int, default=1176)
+    p.add_argument("--mix", default="realistic")
+
+
 def inputs_of(p: argparse.ArgumentParser, args, cuda: bool) -> str:
     """--inputs checked (its default: pinned on CUDA, else host), or the parser's error naming it."""
     inputs = args.inputs or ("pinned" if cuda else "host")
@@ -201,13 +212,7 @@ def micro_batches(args, inputs: str, dev: torch.device) -> list:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--inputs", help="where the micro-batches are: pinned (host memory, the default on CUDA) or "
-                                    "device (on the GPU already); host elsewhere")
-    p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--features", type=int, default=1176)
-    p.add_argument("--mix", default="realistic")
+    add_input_args(p)
     p.add_argument("--window", type=int, default=1, help="micro-batches per window (at most 8)")
     p.add_argument("--windows", type=int, default=200, help="timed windows per row")
     p.add_argument("--warmup", type=int, default=10, help="untimed windows per row first (Triton compiles, caches fill)")

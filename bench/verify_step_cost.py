@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from bench.common import code_commit, cpu_name, synchronizer
-from bench.verify_cost import inputs_of, micro_batches
+from bench.verify_cost import add_input_args, inputs_of, micro_batches
 from reorder import CostModel, Grid, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.runtime.buffer import ReorderingBuffer
@@ -62,12 +62,7 @@ class Work:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--inputs", help="pinned (host memory, the default on CUDA) or device; host elsewhere")
-    p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--features", type=int, default=1176)
-    p.add_argument("--mix", default="realistic")
+    add_input_args(p)
     p.add_argument("--window", type=int, default=1, help="micro-batches per window")
     p.add_argument("--step-ms", type=float, default=10.0, help="the step's own work a micro-batch, ms")
     p.add_argument("--matmul", type=int, default=4096, help="side of the step's square matmuls")
