@@ -520,44 +520,44 @@ class WindowRound:
 
     def _checked(self, now: _Pending) -> "_Check":
         """The checked window's sums, both sides, on their way to the host (read at the next `read`,
-        without a wait of their own by then: the device has long passed them): what this rank
-        assembled, what it read of the sources on the device, and `now.sent` (the held ones), all
-        but `now.sent` summed in one call (on CUDA one kernel launch). A kept slot with no held
+        without a wait of their own by then: the device has long passed them): what this rank read
+        of the sources that are not `held`, then what it assembled, and `now.sent` (the held ones),
+        all but `now.sent` summed in one call (on CUDA one kernel launch). A kept slot with no held
         source is summed once: what it hands out are its sources, which the same call reads as the
         sender's, so its assembled sums are those."""
         moves, dev, nf, held = now.moves, now.placement.target, len(now.fields), now.placement.held
-        late = self._sender_parts(now, held=False) or []
-        parts, rows = [], []  # rows: per slot, the row of its assembled sums in the call's parts
+        late = self._sender_parts(now, held=False)  # per slot, or None when every source is held
+        first = 0 if late is None else len(late)
+        parts, rows = [], []  # the assembled parts, after the late ones; rows: per slot, its assembled sums' part
         for s in range(len(now.batches)):
-            if moves.kept[s] and not any(held[s * nf:(s + 1) * nf]):
-                rows.append(None)  # its sources' row among the late parts, once their start is known
-            elif moves.kept[s]:
-                rows.append(len(parts))
-                parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
-            else:
-                rows.append(len(parts))
+            if not moves.kept[s]:
+                rows.append(first + len(parts))
                 parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
-        rows = [len(parts) + s if r is None else r for s, r in enumerate(rows)]
-        sums = window_checksums(parts + late, now.fields, dev, host=True, graphs=self._graphs,
-                                placed=True).reshape(len(parts) + len(late), -1, CHECKED_FIELDS)
-        w, (sent_at, got_at, first) = len(rows), self._sums_at
-        orders = now.plan.orders[:w]
+            elif late is not None and not any(held[s * nf:(s + 1) * nf]):
+                rows.append(s)  # its late part: nothing of it is held
+            else:
+                rows.append(first + len(parts))
+                parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
+        # the host buffers read are held sources of kept slots: none when no source is held
+        sums = window_checksums((late or []) + parts, now.fields, dev, host=True, graphs=self._graphs, placed=True,
+                                hold=None if True in held else [])
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
-        return _Check(window=self._windows - 1, orders=orders, layout=now.layout, sent_at=sent_at[orders + first[:w]],
-                      got_at=got_at[:w], sums=(now.sent, sums[len(parts):] if late else None, sums), rows=rows,
+        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], layout=now.layout,
+                      held=now.sent, late=first, sums=sums.reshape(-1, self.local_batch, CHECKED_FIELDS), rows=rows,
                       event=self._recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
         """int64 [W, B/dp, 2 * CHECKED_FIELDS] of the last checked window (the sender's sums, then the
         receiver's) for this window's frame, or None when no checked window waits."""
-        if self._check is None:
+        check = self._check
+        if check is None:
             return None
-        if self._check.event is not None:
-            self._check.event.synchronize()
-        held, late, every = self._check.sums
-        sent = late if held is None else held if late is None else held + late  # int64 arrays wrap, as the sums do
-        return np.concatenate([sent, every[self._check.rows]], axis=-1)
+        if check.event is not None:
+            check.event.synchronize()
+        sent = check.held if not check.late else check.sums[:check.late] if check.held is None else \
+            check.sums[:check.late] + check.held  # int64 arrays wrap, as the sums do
+        return np.concatenate([sent, check.sums[check.rows]], axis=-1)
 
     def _compared(self, frames: np.ndarray) -> str | None:
         """Every rank's sums of the last checked window, from the gathered frames: every rank compares
@@ -565,8 +565,11 @@ class WindowRound:
         mismatch, else None) is the same on every rank."""
         check, self._check = self._check, None
         b, f = self.local_batch, CHECKED_FIELDS
+        sent_at, got_at, first = self._sums_at
+        w = len(check.orders)
         flat = frames.ravel()
-        got, want = flat[check.got_at], flat[check.sent_at]  # [W, B, F]: output position p, its natural sample's
+        # [W, B, F]: at output position p, the receiver's sums and the sender's of its natural sample
+        got, want = flat[got_at[:w]], flat[sent_at[check.orders + first[:w]]]
         if (got == want).all():
             return None
         bad = np.argwhere(got != want)
@@ -642,23 +645,22 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
     return a
 
 
-@dataclass
+@dataclass(slots=True)
 class _Check:
-    """A checked window whose sums wait for the next window frame: sums (the sender's of its held
-    sources and of its other sources, either None when it has none, then every part of the call
-    that summed the others; host arrays [parts, B/dp, CHECKED_FIELDS]; the sender's are the first
-    two added), rows (per slot, the part holding its assembled sums), the event after which they
-    are readable (None when no device wrote them), the window's canonical orders [W, B] and its
-    layout (the field names of an error), and where the gathered frames, flattened, hold the sums
-    compared [W, B, F]: at output position p, the sender's of its natural sample (sent_at) and the
-    receiver's (got_at)."""
+    """A checked window whose sums wait for the next window frame: its window number, canonical
+    orders [W, B] and layout (the field names of an error); `sums`, host [parts, B/dp,
+    CHECKED_FIELDS], the call's: first `late` parts, per slot the sender's sums of its sources that
+    are not held (late 0: every source is held), then the assembled parts; `held`, the sender's sums
+    of its held sources [W, B/dp, CHECKED_FIELDS] (None when none is), added to the late ones;
+    `rows`, per slot, the part holding its assembled sums; the event after which the sums are
+    readable (None when no device wrote them)."""
 
     window: int
     orders: np.ndarray
     layout: object
-    sent_at: np.ndarray
-    got_at: np.ndarray
-    sums: tuple
+    held: np.ndarray | None
+    late: int
+    sums: np.ndarray
     rows: list
     event: object
 

@@ -337,10 +337,12 @@ def test_held_sources_are_summed_before_the_executor_reads_them_the_rest_with_th
     which = {"none": lambda i: False, "every other": lambda i: i % 2, "all": lambda i: True}[held]
     holding(monkeypatch, which)
     events = {}  # rank (its thread) -> what it did, in order
+    holds = {}  # rank (its thread) -> per checksum call, the host buffers the round said it reads (None: ask)
     sums = round_module.window_checksums
 
     def recording_sums(parts, fields, device, **kw):
         events.setdefault(threading.get_ident(), []).append(("sums", [t is None for bufs, _ in parts for t in bufs]))
+        holds.setdefault(threading.get_ident(), []).append(kw.get("hold"))
         return sums(parts, fields, device, **kw)
 
     class Recording(TorchExecutor):
@@ -366,18 +368,20 @@ def test_held_sources_are_summed_before_the_executor_reads_them_the_rest_with_th
         left_out = [none for _, none in seq if none is not None]
         if held == "none":
             assert steps == ["run", "run", "sums"], steps
-            nf = len(left_out[0]) // 2  # one part assembled, then the sources
+            assert list(holds.values()) == [[[]], [[]]]  # every buffer on the target: none to ask or hold
+            nf = len(left_out[0]) // 2  # the sources, then one part assembled
             assert not any(left_out[0])
         else:
             assert steps == ["sums", "run", "run", "sums"], steps  # pack and assemble between the two launches
+            assert list(holds.values()) == [[None, None], [None, None]]  # held sources: each buffer asked
             early, late = left_out
             nf = len(early)
             assert [not x for x in early] == [bool(which(i)) for i in range(nf)]  # the held ones only
-            assert not any(late[:nf])  # what it assembled, whole
+            assert not any(late[-nf:])  # what it assembled, whole
             if held == "all":
                 assert len(late) == nf  # no other source: the assembled part alone
             else:
-                assert late[nf:] == [not x for x in early]  # the other sources: the complement
+                assert late[:nf] == [not x for x in early]  # first the other sources: the complement
         assert nf > 2
 
 
@@ -431,9 +435,9 @@ def test_a_kept_slot_is_summed_once_and_still_compared(monkeypatch, fault):
         return
     assert [(g, m) for g, m, _ in got] == [(1, 2), (1, 2)]  # one slot gated (kept), one moving samples
     for (_, _, rows), (call,) in zip(got, calls.values()):
-        assert len(call) == 3  # the moved slot as assembled, then both slots' sources
-        kept = next(s for s, row in enumerate(rows) if row != 0)
-        assert rows[kept] == 1 + kept and rows[1 - kept] == 0
+        assert len(call) == 3  # both slots' sources, then the moved slot as assembled
+        moved = next(s for s, row in enumerate(rows) if row == 2)
+        assert rows[1 - moved] == 1 - moved  # the kept slot's assembled sums: its sources' part
         assert all(t is not None for bufs in call for t in bufs)
 
 
@@ -480,7 +484,7 @@ def test_the_sender_sums_the_very_buffers_the_executor_reads(monkeypatch):
     for rank in made:
         early, late = summed[rank]
         pack, assemble = read[rank]
-        late = late[-len(early):]  # after what this rank assembled: its sources not held
+        late = late[:len(early)]  # before what this rank assembled: its sources not held
         assert all((a is None) != (b is None) for a, b in zip(early, late, strict=True))
         sent = [a if b is None else b for a, b in zip(early, late)]
         assert made[rank] == 2  # once per slot of the one window
