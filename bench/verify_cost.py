@@ -137,7 +137,7 @@ def leave_out(name: str, ex: WindowExchanger) -> None:
     `name` says so (an ABLATED row; "no launch" is its path)."""
     rnd = ex.round
     if name.endswith(("no comparison", "no read-back")):
-        rnd._compared = lambda frames: setattr(rnd, "_check", None)  # every comparison passes
+        rnd._compared = lambda check, frames: None  # every comparison passes
     if name.endswith("no read-back"):
         rnd._check_words = lambda: None  # no sums in the frame: nothing to compare either
 

@@ -122,6 +122,7 @@ class _Pending:
     checked: bool = False  # the self-check covers this window
     sent: torch.Tensor | None = None  # checked: this rank's sums of its held sources [W, B/dp, CHECKED_FIELDS], host
     sums: np.ndarray | None = None  # the last checked window's sums, sent in this window's frame
+    last: "_Check | None" = None  # that window, compared once every rank's frames are here (`_verify_last`)
     made: dict | None = None  # output slot -> its assembled buffers (slots not kept)
 
 
@@ -227,6 +228,7 @@ class WindowRound:
             except (ValueError, TypeError, KeyError, IndexError) as e:
                 now.error = str(e)
         now.sums = self._check_words()
+        now.last, self._check = self._check, None
         self._mark("prepare")
         window = now.window
         now.signature = "" if window is None else window.layout.signature()
@@ -275,6 +277,17 @@ class WindowRound:
         now, self._now = self._now, None
         if now.skipped:
             return self._finish_skipped(now)
+        try:
+            done = self._finished(now, received)
+        except Exception:
+            self._verify_last(now)  # a corrupted window is the worse news: its error first
+            raise
+        # after this window's own launches: on CUDA the host compares while the device sums
+        self._verify_last(now)
+        return done
+
+    def _finished(self, now: _Pending, received: torch.Tensor | None) -> tuple[list, WindowReport | None]:
+        """`finish` of a window that is not skipped."""
         if now.window is None:
             return [], None
         plan, layout = now.plan, now.layout
@@ -381,15 +394,16 @@ class WindowRound:
 
     def _plan(self, texts: list | None) -> None:
         """Every rank's frames (and whole texts) → the same error everywhere, or this rank's plan,
-        move list, placement and sources."""
+        move list, placement and sources. An error is raised after the last checked window's
+        comparison (`_verify_last`): a corrupted window is the worse news."""
+        try:
+            self._planned(texts)
+        except Exception:
+            self._verify_last(self._now)
+            raise
+
+    def _planned(self, texts: list | None) -> None:
         now = self._now
-        if now.sums is not None:  # before the window's own problems: a corrupted window is the worse news
-            samples = self._check.orders.size
-            failed = self._compared(now.frames)
-            if failed is not None:
-                raise ReorderError(failed)
-            self.verified_windows += 1
-            self.verified_samples += samples
         problem, signatures = wire.window_problem(now.frames, texts)
         if problem is not None:
             raise ReorderError(problem)
@@ -563,11 +577,24 @@ class WindowRound:
             check.sums[:check.late] + check.held  # int64 arrays wrap, as the sums do
         return np.concatenate([sent, check.sums[check.rows]], axis=-1)
 
-    def _compared(self, frames: np.ndarray) -> str | None:
-        """Every rank's sums of the last checked window, from the gathered frames: every rank compares
-        what each rank assembled with what its senders read, alike, so the error text (the first
+    def _verify_last(self, now: _Pending) -> None:
+        """Compare the last checked window's sums, which travelled in this window's frames (once: at
+        `finish`, after this window's launches, or before an error of this window's is raised):
+        the same ReorderError on every rank at the first mismatch, else the window and its samples
+        are counted as verified."""
+        check, now.last = now.last, None
+        if check is None:
+            return
+        failed = self._compared(check, now.frames)
+        if failed is not None:
+            raise ReorderError(failed)
+        self.verified_windows += 1
+        self.verified_samples += check.orders.size
+
+    def _compared(self, check: "_Check", frames: np.ndarray) -> str | None:
+        """Every rank's sums of `check`'s window, from the gathered frames: every rank compares what
+        each rank assembled with what its senders read, alike, so the error text (the first
         mismatch, else None) is the same on every rank."""
-        check, self._check = self._check, None
         b, f = self.local_batch, CHECKED_FIELDS
         sent_at, got_at, first = self._sums_at
         w = len(check.orders)

@@ -558,3 +558,50 @@ def test_the_sums_are_launched_behind_the_writes_before_the_outputs_are_rebuilt(
     assert events == ["run"] + ["lists"] * moved * lists + ["sums"] + ["rebuild"] * moved, events
     ex.exchange([])
     assert ex.verified_windows == 1
+
+
+def test_the_last_window_is_compared_after_this_window_s_sums_are_launched(monkeypatch):
+    """The comparison of the last checked window (its sums travelled in this window's frame) comes
+    after this window's own sums are asked for: on CUDA the host compares while the device sums.
+    Every window is still counted as verified once, the last at the end of the stream."""
+    from reorder.exchange import round as round_module
+    events = []
+    sums, compared = round_module.window_checksums, WindowRound._compared
+    monkeypatch.setattr(round_module, "window_checksums", lambda *a, **k: events.append("sums") or sums(*a, **k))
+    monkeypatch.setattr(WindowRound, "_compared", lambda *a: events.append("compare") or compared(*a))
+    ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=8, cost=COST, verify=1)
+    rng = np.random.default_rng(3)
+    gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in range(3)]
+    reports = [ex.exchange([g])[1] for g in gs]
+    assert all((r.orders != np.arange(8)).any() for r in reports)  # every window permutes: all are checked
+    assert events == ["sums", "sums", "compare", "sums", "compare"], events
+    assert ex.verified_windows == 2
+    ex.exchange([])
+    assert events[-1] == "compare" and ex.verified_windows == 3 and ex.verified_samples == 24
+
+
+@pytest.mark.parametrize("bad", ["source", "layout"])
+def test_a_corrupted_window_is_reported_before_the_next_window_s_own_error(bad):
+    """When the window after a corrupted one fails on its own (a data source raised on one rank, or
+    the ranks' layouts differ), every rank raises the self-check's error first: the corruption is
+    the worse news, and the other error is its context."""
+    rng = np.random.default_rng(8)
+    gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=1)
+        if r == 1:
+            ex.round._executors[torch.device("cpu")] = Faulty("flip")
+        _, report = ex.exchange([syn.rank_share(gs[0], 2, r)])
+        assert report.moved_samples > 0
+        second = syn.rank_share(gs[1], 2, r)
+        if bad == "layout" and r == 0:
+            second["extra"] = torch.zeros(4, 3)
+        ex.exchange([second], error=RuntimeError("disk gone") if bad == "source" and r == 0 else None)
+
+    errors = run_emulated(2, fn, timeout=30, return_exceptions=True)
+    assert all(isinstance(e, ReorderError) and str(e).startswith("self-check failed: window 0") for e in errors), errors
+    assert len({str(e) for e in errors}) == 1
+    context = str(errors[0].__context__)
+    assert ("disk gone" in context) if bad == "source" else ("layout" in context), context
