@@ -27,7 +27,9 @@ import functools
 import itertools
 import logging
 import mmap
+import operator
 import os
+import struct
 import types
 
 import numpy as np
@@ -139,8 +141,7 @@ _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter
 
 
 def window_checksums(parts: list, fields: tuple, device, *, host: bool = False, interpret: bool = False,
-                     graphs: "Graphs | None" = None, placed: bool = False,
-                     hold: list | None = None) -> torch.Tensor | np.ndarray:
+                     graphs: "Graphs | None" = None, placed: bool = False) -> torch.Tensor | np.ndarray:
     """int64 [N, CHECKED_FIELDS]: the checksums of every sample of a window's micro-batches, part
     after part (N: their samples); parts: per micro-batch (its buffers, one per `ByteField` of
     `fields`, or None for a field left out, and its SampleCounts [n]).
@@ -157,15 +158,13 @@ def window_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     `interpret`: the kernel on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 set
     before triton is imported; tests). `graphs`: with `host`, the caller's captured launches
     (`Graphs`: the sums are then a view of its block, until its launch after next of that size).
-    `placed`: every buffer is one the kernel reads by address (`kernel_checksums`). `hold`: the host
-    buffers among them, if the caller knows (`kernel_checksums`).
+    `placed`: every buffer is one the kernel reads by address (`kernel_checksums`).
 
     The kernel's first window in a process is also summed with torch ops and compared (one wait for
     the device, once): a kernel that disagrees (a compiler or GPU the kernel was never run on) is
     logged and replaced by the torch ops from then on, so the check never reports a mismatch that
     only its own kernel made."""
-    got = kernel_checksums(parts, fields, device, host=host, interpret=interpret, graphs=graphs, placed=placed,
-                           hold=hold)
+    got = kernel_checksums(parts, fields, device, host=host, interpret=interpret, graphs=graphs, placed=placed)
     if got is None:
         got = torch_checksums(parts, fields)
         return _to_host(got) if host else got
@@ -201,8 +200,7 @@ def torch_checksums(parts: list, fields: tuple) -> torch.Tensor:
 
 def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, interpret: bool = False,
                      block: int = BLOCK, chunk: int = CHUNK, graphs: "Graphs | None" = None,
-                     grid: int | None = None, placed: bool = False,
-                     hold: list | None = None) -> torch.Tensor | np.ndarray | None:
+                     grid: int | None = None, placed: bool = False) -> torch.Tensor | np.ndarray | None:
     """`window_checksums` through the Triton kernel (one launch), or None where it does not apply:
     not a CUDA device (unless `interpret`: CPU tensors, Triton's interpreter; with TRITON_INTERPRET=1
     in the environment, `interpret` alone), triton missing, no buffer the kernel can read, or a
@@ -212,10 +210,7 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
     many programs, each taking every grid-th of the window's (interpreted; default one per
     program). placed: the caller vouches that every buffer given is one the kernel reads by address
     (contiguous, on `device` or in pinned host memory; interpreted: on the CPU), so none is asked
-    (host time a buffer); else each is, and the others are summed with torch ops. hold: the host
-    buffers the launch reads (held until it completes), when the caller knows them (e.g. none: every
-    buffer is on the device); None: each buffer read is asked whether it is on the device (host
-    time a buffer)."""
+    (host time a buffer); else each is, and the others are summed with torch ops."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if not interpret and (device.type != "cuda" or _INTERPRETER):
@@ -266,7 +261,9 @@ def kernel_checksums(parts: list, fields: tuple, device, *, host: bool = False, 
                     if host:  # the whole block back into its own words: one copy, no slice of the device block
                         data = on_host.copy_(data, non_blocking=True)
                 if programs:
-                    held = _host_buffers(parts, readable) if hold is None else hold
+                    held = [t for bufs, _ in parts for t in bufs if t is not None and not t.is_cuda] \
+                        if readable is None else \
+                        [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
                     # every launch lets go of the holds that are done, one with nothing to hold too:
                     # a hold kept longer would keep the sources of a copy that forgot its own, and hide that defect
                     _HELD.hold(held, current_stream(device) if held else None)
@@ -419,14 +416,6 @@ def _readable(t: torch.Tensor, device: torch.device, interpret: bool) -> bool:
     return t.device == device or (t.is_cpu and t.is_pinned())
 
 
-def _host_buffers(parts: list, readable: list | None) -> list:
-    """The buffers of `parts` the kernel reads (`readable`; None: every buffer given) that are not
-    on a CUDA device: pinned host memory it reads by address, to hold until the launch completes."""
-    if readable is None:
-        return [t for bufs, _ in parts for t in bufs if t is not None and not t.is_cuda]
-    return [t for (bufs, _), r in zip(parts, readable) for t, ok in zip(bufs, r) if ok and not t.is_cuda]
-
-
 def _unread_sums(parts, fields, readable, n) -> torch.Tensor | None:
     """int64 [n, CHECKED_FIELDS] on the host: the torch sums of the buffers the kernel does not
     read (None when it reads every buffer that is not left out)."""
@@ -451,69 +440,61 @@ def launch_block(parts: list, fields: tuple, readable: list | None, chunk: int,
     holds the offsets and the sizes the kernel reads). Buffer b is field b % F of part b // F; the
     kernel reads it when `readable[part][field]` (a buffer it does not read may be None; readable
     None: every buffer that is not None), in programs of `chunk` words over its bytes. The host
-    writes what it holds: the block's fixed words (header, buffer rows but their address and
-    bytes, field rows), laid out once per layout and part sizes (`_block_plan`), copied whole; two
-    reads a buffer (address, size) written as two strided columns; the buffers' first programs, a
-    running sum over the sizes; the counts and the zero output words (they come last) as two array
-    writes, whatever the window's micro-batches and samples; the device cuts the work. `alloc(size)`
-    gives the int64 array to fill (default np.empty). parts: at least one."""
+    writes what it holds: two reads a buffer (address, size) into the rows laid out once per
+    layout and part sizes (`_block_plan`), the header, programs, rows and field rows packed in one
+    call, then the counts and the zero output words (they come last) as two array writes, whatever
+    the window's micro-batches and samples; the device cuts the work. `alloc(size)` gives the int64
+    array to fill (default np.empty). parts: at least one."""
     fields = tuple(fields)
     nf = len(fields)
     for p, (held, _) in enumerate(parts):
         if len(held) != nf:
             raise ValueError(f"part {p} has {len(held)} buffers for {nf} fields")
     tables = [c.table for _, c in parts]
-    fixed, adds, divs, at = _block_plan(fields, tuple(map(len, tables)), chunk)
+    adds, divs, bufs, rows, head, at, pack, samples = _block_plan(fields, tuple(map(len, tables)), chunk)
+    bufs = list(bufs)
     flat = [t for held, _ in parts for t in held]
+    bufs[0::4] = [0 if t is None else t.data_ptr() for t in flat]
     if readable is None:
-        sizes = [0 if t is None else t.nbytes for t in flat]
+        bufs[1::4] = sizes = [0 if t is None else t.nbytes for t in flat]
     else:
-        sizes = [t.nbytes if ok else 0 for t, ok in zip(flat, itertools.chain.from_iterable(readable))]
-    counts_at, out_at = at["counts_at"], at["out_at"]
-    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(out_at + at["samples_in"] * CHECKED_FIELDS)
-    out[:counts_at] = fixed
-    rows = out[at["bufs_at"]:at["fields_at"]]
-    rows[0::4] = [0 if t is None else t.data_ptr() for t in flat]
-    rows[1::4] = sizes
+        bufs[1::4] = sizes = [t.nbytes if ok else 0 for t, ok in zip(flat, itertools.chain.from_iterable(readable))]
     # a buffer's programs: ceil(words / chunk) = (bytes + w (chunk - 1)) // (w chunk), w its word
-    # width (a last partial word is not read); their running sum from the buffer after the first
-    first = out[at["programs_at"] + 1:at["bufs_at"]]
-    np.cumsum((rows[1::4] + adds) // divs, out=first)
-    out[counts_at:out_at] = np.concatenate(tables).ravel() if len(tables) > 1 else tables[0].ravel()
-    out[out_at:] = 0
-    return out, int(first[-1]) if len(first) else 0, at
+    # width (a last partial word is not read), with no Python step a buffer
+    first = list(itertools.accumulate(map(operator.floordiv, map(operator.add, sizes, adds), divs), initial=0))
+    out = (alloc or (lambda k: np.empty(k, dtype=np.int64)))(at["out_at"] + samples * CHECKED_FIELDS)
+    # everything the host knows as Python ints in one call; the counts and the zero sums as arrays
+    pack.pack_into(out, 0, *head, *first, *bufs, *rows)
+    out[at["counts_at"]:at["out_at"]] = np.concatenate(tables).ravel() if len(tables) > 1 else tables[0].ravel()
+    out[at["out_at"]:] = 0
+    return out, first[-1], at
 
 
 def _block_plan(fields: tuple, samples: tuple, chunk: int) -> tuple:
     """What a launch block holds for `fields` over parts of `samples` samples each, whatever their
-    buffers: its fixed words up to the counts (the header; the first programs, 0; the buffer rows
-    with their first sample and samples, address and bytes 0; the field rows), every buffer's
-    w (chunk - 1) and w chunk (w: its word width; `launch_block` counts its programs with them),
-    and the offsets (`launch_block`'s mapping, with `samples`, the kernel's SAMPLES, and
-    `samples_in`, the window's), all of it read-only. The same every window of a layout and part
-    sizes: made once (cached below)."""
+    buffers: every buffer's w (chunk - 1) and w chunk (w: its word width; `launch_block` counts its
+    programs with them), the buffer rows with their first sample and samples filled in (address
+    and bytes: 0), the field rows, the header, the packing of the header, programs, rows and field
+    rows, the offsets (`launch_block`'s mapping) and the window's samples, all of it read-only. The
+    same every window of a layout and part sizes: made once (cached below)."""
     rows, widths = _field_constants(fields)
     nf, parts = len(fields), len(samples)
     buffers, row0 = nf * parts, [0, *itertools.accumulate(samples)]
+    bufs = [0] * (4 * buffers)  # rows (address, bytes, first sample, samples), filled column by column
+    bufs[2::4] = [r for r in row0[:-1] for _ in range(nf)]
+    bufs[3::4] = [m for m in samples for _ in range(nf)]
     at = {"programs_at": _HEADER}
     at["bufs_at"] = _HEADER + buffers + 1
     at["fields_at"] = at["bufs_at"] + 4 * buffers
     at["counts_at"] = at["fields_at"] + len(rows)
     at["out_at"] = at["counts_at"] + row0[-1] * len(COLUMNS)
-    fixed = np.zeros(at["counts_at"], dtype=np.int64)
-    fixed[:_HEADER] = (buffers, nf, *at.values(), len(COLUMNS))
-    bufs = fixed[at["bufs_at"]:at["fields_at"]]  # rows (address, bytes, first sample, samples)
-    bufs[2::4] = np.repeat(row0[:-1], nf)
-    bufs[3::4] = np.repeat(samples, nf)
-    fixed[at["fields_at"]:] = rows
+    head = (buffers, nf, *at.values(), len(COLUMNS))
     # SAMPLES a power of two, at least 16: one compiled variant for most windows
     at["samples"] = 1 << (max(16, *samples) - 1).bit_length()
-    at["samples_in"] = row0[-1]
-    widths = np.array(widths * parts, dtype=np.int64)
-    adds, divs = widths * (chunk - 1), widths * chunk
-    for a in (fixed, adds, divs):
-        a.flags.writeable = False
-    return fixed, adds, divs, types.MappingProxyType(at)
+    pack = struct.Struct(f"={at['counts_at']}q")
+    widths = widths * parts
+    return (tuple(w * (chunk - 1) for w in widths), tuple(w * chunk for w in widths), tuple(bufs), rows, head,
+            types.MappingProxyType(at), pack, row0[-1])
 
 
 # the layouts of the windows seen last (layouts and part sizes without end: the old ones are forgotten);

@@ -556,9 +556,7 @@ class WindowRound:
             else:
                 rows.append(first + len(parts))
                 parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
-        # the host buffers read are held sources of kept slots: none when no source is held
-        sums = window_checksums((late or []) + parts, now.fields, dev, host=True, graphs=self._graphs, placed=True,
-                                hold=None if True in held else [])
+        sums = window_checksums((late or []) + parts, now.fields, dev, host=True, graphs=self._graphs, placed=True)
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
         return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], layout=now.layout,

@@ -655,19 +655,6 @@ def test_placed_buffers_are_not_asked_and_by_default_each_is(monkeypatch):
     assert kernel.launches[-1][0] == (1,)  # one program: the list bytes (the rows by the torch ops)
 
 
-def test_the_launch_holds_the_host_buffers_it_reads():
-    """What a launch holds until it completes: every buffer it reads that is not on a CUDA device
-    (pinned host memory read by address), those it reads only when `readable` is given, none left
-    out (None)."""
-    counts = SampleCounts.of(rows=np.zeros(2, np.int64))
-    a, b, c = (torch.zeros(4, dtype=torch.uint8) for _ in range(3))
-    parts = [([a, None], counts), ([b, c], counts)]
-    assert [id(t) for t in cs._host_buffers(parts, None)] == [id(a), id(b), id(c)]
-    assert [id(t) for t in cs._host_buffers(parts, [[False, False], [True, False]])] == [id(b)]
-    assert [id(t) for t in cs._host_buffers(parts, [[True, False], [False, True]])] == [id(a), id(c)]
-    assert cs._host_buffers([([None], counts)], None) == []
-
-
 def test_a_buffer_s_last_partial_word_takes_no_program():
     """Programs cover a buffer's whole words: 18 bytes of 4-byte words are 4 words, one program of
     4 words (the 2 bytes left over are not read)."""

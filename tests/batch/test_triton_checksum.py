@@ -345,7 +345,7 @@ def test_a_kernel_whose_first_window_differs_from_the_torch_ops_is_replaced(monk
     want = cs.torch_checksums(parts, fields)
     wrong = []
 
-    def off_by_one(parts_, fields_, device, *, host=False, interpret=False, graphs=None, placed=False, hold=None):
+    def off_by_one(parts_, fields_, device, *, host=False, interpret=False, graphs=None, placed=False):
         wrong.append(device)
         return (want + 1).numpy() if host else want + 1
 
