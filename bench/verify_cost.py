@@ -16,7 +16,7 @@ both by default; elsewhere `kernel` alone (there it is the torch ops).
 
   PYTHONPATH=. python bench/verify_cost.py [--device cuda] [--inputs pinned|device] [--micro-batch 16]
                                            [--window 1] [--windows 200] [--paths kernel,torch] [--early-copy]
-                                           [--ablate] [--device-busy N] [--json F]
+                                           [--ablate] [--early-sources] [--device-busy N] [--json F]
 
 --window: micro-batches per window (1, the default, is the smallest window: the check's fixed
 host cost per window weighs most there).
@@ -27,6 +27,13 @@ the part itself cannot tell (a part run cold, between the window's other steps, 
 alone): "no comparison" (the sums travel, nobody compares them), "no read-back" (nor are they read
 back and sent), "no launch" (the checksum calls return zeros at once: no launch block, no launch;
 the zeros are read back and compared). These rows check nothing.
+
+--early-sources: one more every-window row whose sources are all summed once the window is
+planned, by their own launch before the executor reads them (as the library sums only the sources
+read in place from pinned host memory), and the assembled outputs after the assembly: two launches
+a window instead of one, the sources' read moved to where the device waits for the host's planning
+and packing instead of after the assembly. Its sums are the same; the row says whether the move
+pays for its second launch.
 
 --device-busy N (CUDA): then N more windows of each row under torch.profiler, each between two
 synchronizations, for the GPU's busy time a window: the union of its kernels, copies and memsets.
@@ -55,6 +62,7 @@ from reorder import CostModel, Grid, WindowExchanger
 from reorder.batch import checksum
 from reorder.cli import synthetic as syn
 from reorder.exchange import round as round_module
+from reorder.plan.counts import SampleCounts
 
 SETTINGS = {"off": 0, "every 100th": 100, "every window": 1}
 # the check's host parts: name -> (owner, attribute) timed in place
@@ -119,17 +127,35 @@ class Path:
 
 
 ABLATED = ("no comparison", "no read-back", "no launch")  # --ablate: every window, a part left out
+EARLY = "every window, sources early"  # --early-sources
 
 
-def rows_of(paths: list, ablate: bool = False) -> list:
+def rows_of(paths: list, ablate: bool = False, early: bool = False) -> list:
     """(row name, verify, path name or None) of every row: off, then each checked setting per path,
-    then with `ablate` the ABLATED rows (every window; the first path, "zeros" for "no launch")."""
+    then with `ablate` the ABLATED rows (every window; the first path, "zeros" for "no launch"), and
+    with `early` the EARLY row (every window; the first path)."""
     out = [("off", 0, None)]
     for name, n in SETTINGS.items():
         if n:
             out += [(name if len(paths) == 1 else f"{name} ({p})", n, p) for p in paths]
-    return out + [(f"every window, {name}", 1, "zeros" if name == "no launch" else paths[0])
-                  for name in ABLATED if ablate]
+    out += [(f"every window, {name}", 1, "zeros" if name == "no launch" else paths[0]) for name in ABLATED if ablate]
+    return out + [(EARLY, 1, paths[0])] * early
+
+
+def sources_early(ex: WindowExchanger) -> None:
+    """`ex`'s round sums every source of a checked window once it is planned, in the launch of the
+    held ones (`_sent_sums`), before the executor reads them; the launch after the assembly sums
+    what was assembled only (a kept slot's sources again). The sums are the same; what moves is
+    when the device reads the sources: while the host packs and assembles, not after."""
+    rnd = ex.round
+
+    def sender_parts(now, *, held):
+        if not held:
+            return None  # no source is left for the launch after the assembly
+        nf, table = len(now.fields), now.window.counts.table
+        return [(now.sources[s * nf:(s + 1) * nf], SampleCounts(table[s])) for s in range(len(table))]
+
+    rnd._sender_parts = sender_parts
 
 
 def leave_out(name: str, ex: WindowExchanger) -> None:
@@ -221,6 +247,9 @@ def main():
     p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
                                    "kernel elsewhere)")
     p.add_argument("--ablate", action="store_true", help="every-window rows with a part of the check left out")
+    p.add_argument("--early-sources", action="store_true",
+                   help="one more every-window row whose sources are summed once the window is planned, before "
+                        "the executor reads them (two launches a window), the assembled outputs after")
     p.add_argument("--device-busy", type=int, default=0, metavar="N",
                    help="CUDA: then N more windows of each row under torch.profiler, for the GPU's busy time a "
                         "window (its kernels, copies and memsets, their union)")
@@ -238,12 +267,14 @@ def main():
         p.error(f"--device-busy {args.device_busy}: needs a CUDA device (the GPU's busy time)")
     batches = micro_batches(args, inputs, dev)
     cost = CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START)
-    rows = rows_of(paths, args.ablate)
+    rows = rows_of(paths, args.ablate, args.early_sources)
     ex = {name: WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
                                 window_size=args.window, device=dev, verify=n, early_copy=args.early_copy)
           for name, n, _ in rows}
     for name in ex:
         leave_out(name, ex[name])
+        if name == EARLY:
+            sources_early(ex[name])
     impl = {name: Path(path or "kernel") for name, _, path in rows}
     host = {name: [] for name in ex}
 
@@ -290,7 +321,7 @@ def main():
         out_rows[name] = dict(verify=n, path=path, host_ms=h, host_ratio=h / off_h, device_ms=d,
                               device_ratio=None if d is None else d / off_d, checksum_calls=calls[name][0],
                               kernel_calls=calls[name][1], checksum_samples=calls[name][2],
-                              kept_slots=kept[name],
+                              kept_slots=kept[name], verified_windows=ex[name].verified_windows,
                               host_us_by_part={part: 1e6 * parts.seconds.get(name, {}).get(part, 0.0) / args.windows
                                                for part in PARTS} if n else None)
         if busy is not None:
@@ -323,7 +354,7 @@ def main():
                captured=bool(cuda and checksum._CAPTURE[0]),
                inputs=inputs, early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch,
                seq_len=args.seq_len, features=args.features, mix=args.mix, windows=args.windows, paths=paths,
-               ablate=args.ablate, device_busy=args.device_busy,
+               ablate=args.ablate, early_sources=args.early_sources, device_busy=args.device_busy,
                settings=out_rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -320,6 +320,26 @@ def test_verify_cost_bench_ablate_leaves_out_one_part_of_the_check_a_row(tmp_pat
     assert [r["path"] for r in rows.values()] == [None] + ["kernel"] * 4 + ["zeros"]
 
 
+def test_verify_cost_bench_early_sources_sums_the_sources_before_the_executor_reads_them(tmp_path):
+    """--early-sources: one more every-window row whose window sums all its sources in a launch of
+    their own before the executor's (the sums of the held sources, here every source) and the
+    assembled outputs after: two checksum calls a window, the same samples summed, every window
+    verified."""
+    out = tmp_path / "verify.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
+           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "4", "--warmup", "1",
+           "--early-sources", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())["settings"]
+    every, early = rows["every window"], rows["every window, sources early"]
+    assert list(rows)[-1] == "every window, sources early" and early["verify"] == 1
+    assert early["checksum_calls"] == 2 * every["checksum_calls"]  # the sources' launch, then the outputs'
+    assert early["checksum_samples"] == every["checksum_samples"] + 8 * every["kept_slots"]  # kept: read twice
+    assert every["verified_windows"] >= 4 and early["verified_windows"] == every["verified_windows"]
+
+
 def test_verify_cost_bench_refuses_gpu_inputs_without_a_gpu():
     """--inputs pinned / device need a CUDA device: refused by name before anything runs."""
     cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--inputs", "device"]
