@@ -571,8 +571,8 @@ class WindowRound:
             return None
         if check.event is not None:
             check.event.synchronize()
-        sent = check.held if not check.late else check.sums[:check.late] if check.held is None else \
-            check.sums[:check.late] + check.held  # int64 arrays wrap, as the sums do
+        late = check.sums[:check.late] if check.late else None
+        sent = late if check.held is None else check.held if late is None else late + check.held  # wraps, as the sums
         return np.concatenate([sent, check.sums[check.rows]], axis=-1)
 
     def _verify_last(self, now: _Pending) -> None:
