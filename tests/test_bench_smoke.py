@@ -229,17 +229,22 @@ def test_calibration_bench_on_the_vit_writes_fit_plans_and_gains(tmp_path):
     assert set(r["gain_fitted_over_default"]) == {"predicted", "measured"}
 
 
-def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
-    """bench/verify_cost.py at toy size on the CPU, both checksum paths: a row per setting and path
-    (off once), finite host times, the kernel never launched off CUDA, every checked window summed."""
+def _verify_cost(tmp_path, *args) -> dict:
+    """bench/verify_cost.py at toy size on the CPU with `args`; its JSON rows."""
     out = tmp_path / "verify.json"
     cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
-           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1",
-           "--paths", "kernel,torch", "--json", str(out)]
+           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1", *args,
+           "--json", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_verify_cost_bench_times_every_setting_and_path(tmp_path):
+    """bench/verify_cost.py at toy size on the CPU, both checksum paths: a row per setting and path
+    (off once), finite host times, the kernel never launched off CUDA, every checked window summed."""
+    got = _verify_cost(tmp_path, "--paths", "kernel,torch")
     assert got["inputs"] == "host"
     rows = got["settings"]
     assert list(rows) == ["off", "every 100th (kernel)", "every 100th (torch)", "every window (kernel)",
@@ -302,14 +307,7 @@ def test_verify_cost_bench_sums_every_micro_batch_of_a_wider_window(tmp_path):
 def test_verify_cost_bench_ablate_leaves_out_one_part_of_the_check_a_row(tmp_path):
     """--ablate: every-window rows without the comparison, without the read-back (and so the
     comparison), and without the launch (zeros summed, still read back and compared)."""
-    out = tmp_path / "verify.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
-           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "3", "--warmup", "1",
-           "--ablate", "--json", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = json.loads(out.read_text())["settings"]
+    rows = _verify_cost(tmp_path, "--ablate")["settings"]
     assert list(rows)[3:] == ["every window, no comparison", "every window, no read-back", "every window, no launch"]
     parts = {name: r["host_us_by_part"] for name, r in rows.items() if r["verify"]}
     assert parts["every window"]["comparison"] > 0 and parts["every window"]["read-back"] > 0
@@ -325,19 +323,12 @@ def test_verify_cost_bench_early_sources_sums_the_sources_before_the_executor_re
     their own before the executor's (the sums of the held sources, here every source) and the
     assembled outputs after: two checksum calls a window, the same samples summed, every window
     verified."""
-    out = tmp_path / "verify.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "verify_cost.py"), "--device", "cpu", "--micro-batch", "8",
-           "--seq-len", "256", "--features", "8", "--mix", "small", "--windows", "4", "--warmup", "1",
-           "--early-sources", "--json", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = json.loads(out.read_text())["settings"]
+    rows = _verify_cost(tmp_path, "--early-sources")["settings"]
     every, early = rows["every window"], rows["every window, sources early"]
     assert list(rows)[-1] == "every window, sources early" and early["verify"] == 1
     assert early["checksum_calls"] == 2 * every["checksum_calls"]  # the sources' launch, then the outputs'
     assert early["checksum_samples"] == every["checksum_samples"] + 8 * every["kept_slots"]  # kept: read twice
-    assert every["verified_windows"] >= 4 and early["verified_windows"] == every["verified_windows"]
+    assert every["verified_windows"] >= 3 and early["verified_windows"] == every["verified_windows"]
 
 
 def test_verify_cost_bench_refuses_gpu_inputs_without_a_gpu():
