@@ -559,8 +559,9 @@ class WindowRound:
         sums = window_checksums((late or []) + parts, now.fields, dev, host=True, graphs=self._graphs, placed=True)
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
-        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], layout=now.layout,
-                      held=now.sent, late=first, sums=sums.reshape(-1, self.local_batch, CHECKED_FIELDS), rows=rows,
+        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], cross=now.plan.cross_slot,
+                      layout=now.layout, held=now.sent, late=first,
+                      sums=sums.reshape(-1, self.local_batch, CHECKED_FIELDS), rows=rows,
                       event=self._recorded(dev) if dev.type == "cuda" else None)
 
     def _check_words(self) -> np.ndarray | None:
@@ -597,17 +598,19 @@ class WindowRound:
         sent_at, got_at, first = self._sums_at
         w = len(check.orders)
         flat = frames.ravel()
+        ids = check.orders if check.cross else check.orders + first[:w]  # flat natural ids (slot * B + j)
         # [W, B, F]: at output position p, the receiver's sums and the sender's of its natural sample
-        got, want = flat[got_at[:w]], flat[sent_at[check.orders + first[:w]]]
+        got, want = flat[got_at[:w]], flat[sent_at[ids]]
         if (got == want).all():
             return None
         bad = np.argwhere(got != want)
         s, p, slot = (int(x) for x in bad[0])
-        i = int(check.orders[s, p])
+        source, i = divmod(int(ids[s, p]), self.micro_batch_size)
         names = _field_names(check.layout)
         field = names[slot] if slot < f - 1 else "one of " + ", ".join(names[slot:])
+        sample = f"micro-batch {source}, natural position {i}" if check.cross else f"natural position {i}"
         return (f"self-check failed: window {check.window}, micro-batch {s}: rank {p // b} holds at position {p % b} "
-                f"the sample of natural position {i} (read by rank {i // b}), and it differs in field {field!r} from "
+                f"the sample of {sample} (read by rank {i // b}), and it differs in field {field!r} from "
                 f"what rank {i // b} read ({len(bad)} (sample, field) checksum(s) differ)")
 
     def _sum_index(self) -> tuple:
@@ -677,7 +680,8 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
 @dataclass(slots=True)
 class _Check:
     """A checked window whose sums wait for the next window frame: its window number, canonical
-    orders [W, B] and layout (the field names of an error); `sums`, host [parts, B/dp,
+    orders [W, B] (flat natural ids when `cross`: a cross-slot plan's) and layout (the field names
+    of an error); `sums`, host [parts, B/dp,
     CHECKED_FIELDS], the call's: first `late` parts, per slot the sender's sums of its sources that
     are not held (late 0: every source is held), then the assembled parts; `held`, the sender's sums
     of its held sources [W, B/dp, CHECKED_FIELDS] (None when none is), added to the late ones;
@@ -686,6 +690,7 @@ class _Check:
 
     window: int
     orders: np.ndarray
+    cross: bool
     layout: object
     held: np.ndarray | None
     late: int

@@ -601,3 +601,36 @@ def test_a_corrupted_window_is_reported_before_the_next_window_s_own_error(bad):
     assert len({str(e) for e in errors}) == 1
     context = str(errors[0].__context__)
     assert ("disk gone" in context) if bad == "source" else ("layout" in context), context
+
+
+@pytest.mark.parametrize("fault", [None, "flip"])
+def test_cross_slot_windows_are_checked_by_their_flat_natural_ids(fault):
+    """With cross_slot a window's orders list flat natural ids (slot * B + j) across its
+    micro-batches: each output position is compared with the sender's sums of that id (its own
+    micro-batch and position), every window of a correct exchange is verified, and a flipped byte
+    is caught with the same error on every rank, naming where the sample came from."""
+    dp, w, b = 2, 2, 8
+    rng = np.random.default_rng(1)
+    gs = [[syn.make_global_batch(rng, b, 256, features=8, mix="large", first_id=b * (k * w + s), scale=0.05)
+           for s in range(w)] for k in range(3)]
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=dp, dp=dp, rank=r), micro_batch_size=b, cost=COST, balancer="lpt",
+                             window_size=w, collectives=coll, verify=1, cross_slot=True)
+        if fault and r == 1:
+            ex.round._executors[torch.device("cpu")] = Faulty(fault)
+        crossed = 0
+        for g in gs:
+            _, report = ex.exchange([syn.rank_share(x, dp, r) for x in g])
+            crossed += int((report.orders // b != np.arange(w)[:, None]).any())  # a sample changed micro-batch
+        ex.exchange([])
+        return crossed, ex.verified_windows
+
+    got = run_emulated(dp, fn, timeout=30, return_exceptions=True)
+    if fault:
+        assert all(isinstance(e, ReorderError) and "self-check failed: window 0" in str(e) for e in got), got
+        assert len({str(e) for e in got}) == 1
+        assert re.search(r"the sample of micro-batch \d, natural position \d \(read by rank \d\)", str(got[0])), got[0]
+        return
+    assert not any(isinstance(x, BaseException) for x in got), got
+    assert got[0][0] >= 1 and got[0][1] == 3 and got[1] == got[0]  # samples crossed micro-batches; all verified
