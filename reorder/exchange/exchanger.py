@@ -101,7 +101,12 @@ class WindowExchanger:
             if texts is not None:
                 r.gathered_texts(self._all_gather(texts))
         outgoing = r.pack()
-        return r.finish(None if outgoing is None else self._all_to_all(outgoing))
+        try:
+            received = None if outgoing is None else self._all_to_all(outgoing)
+        except Exception:
+            r.verify_last()  # a corrupted window is the worse news: its error first
+            raise
+        return r.finish(received)
 
     def _all_gather(self, frame: np.ndarray) -> np.ndarray:
         if self.collectives is None:

@@ -16,7 +16,10 @@ Per window, on every rank of a module's DP group, in this order:
                                              #   nothing was sent)
 
 and once, before the first window of a DP group larger than one, `round.agree(config_frames)` with
-every rank's `round.config_frame()`. A bad input of any rank, found by `read`, travels in its frame;
+every rank's `round.config_frame()`. When the all_to_all fails, the driver calls
+`round.verify_last()` before it re-raises: the self-check's comparison of the last checked window,
+which `finish` makes after this window's launches, comes first (a corrupted window is the worse
+news), as it does before the round's own errors. A bad input of any rank, found by `read`, travels in its frame;
 `gathered` raises the same ReorderError on every rank. The round holds the rank's state between
 windows: the agreed config, the gate backoff, the last planned layout.
 """
@@ -259,7 +262,24 @@ class WindowRound:
 
     def pack(self) -> Outgoing | None:
         """The send buffer and splits of this window's all_to_all, or None when no rank sends
-        anything (every rank decides alike from the same plan: no collective then)."""
+        anything (every rank decides alike from the same plan: no collective then). An error is
+        raised after the last checked window's comparison (`verify_last`)."""
+        try:
+            return self._packed()
+        except Exception:
+            self.verify_last()
+            raise
+
+    def verify_last(self) -> None:
+        """Compare the last checked window's sums, which travelled in this window's frames, if they
+        have not been (`finish` does, after this window's launches): the driver calls it before it
+        raises an error of its own between `pack` and `finish` (a failed all_to_all), as the round
+        does before its own errors, since a corrupted window is the worse news. Raises the
+        self-check's ReorderError at the first mismatch, the same on every rank that calls it."""
+        if self._now is not None:
+            self._verify_last(self._now)
+
+    def _packed(self) -> Outgoing | None:
         now = self._now
         if now.moves is None or not now.plan.moves_anything or self.grid.dp == 1:  # skipped, ended, shadow, natural
             return None
@@ -395,11 +415,11 @@ class WindowRound:
     def _plan(self, texts: list | None) -> None:
         """Every rank's frames (and whole texts) → the same error everywhere, or this rank's plan,
         move list, placement and sources. An error is raised after the last checked window's
-        comparison (`_verify_last`): a corrupted window is the worse news."""
+        comparison (`verify_last`): a corrupted window is the worse news."""
         try:
             self._planned(texts)
         except Exception:
-            self._verify_last(self._now)
+            self.verify_last()
             raise
 
     def _planned(self, texts: list | None) -> None:
@@ -577,7 +597,7 @@ class WindowRound:
         return np.concatenate([sent, check.sums[check.rows]], axis=-1)
 
     def _verify_last(self, now: _Pending) -> None:
-        """Compare the last checked window's sums, which travelled in this window's frames (once: at
+        """Compare the last checked window's sums, which travelled in `now`'s frames (once: at
         `finish`, after this window's launches, or before an error of this window's is raised):
         the same ReorderError on every rank at the first mismatch, else the window and its samples
         are counted as verified."""
@@ -686,7 +706,9 @@ class _Check:
     are not held (late 0: every source is held), then the assembled parts; `held`, the sender's sums
     of its held sources [W, B/dp, CHECKED_FIELDS] (None when none is), added to the late ones;
     `rows`, per slot, the part holding its assembled sums; the event after which the sums are
-    readable (None when no device wrote them)."""
+    readable (None when no device wrote them). `sums` may be a view of a captured launch's block
+    (`Graphs`), valid until the next window's launches: it is read at the next `read`, and the
+    comparison reads the gathered frames only."""
 
     window: int
     orders: np.ndarray

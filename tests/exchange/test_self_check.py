@@ -634,3 +634,36 @@ def test_cross_slot_windows_are_checked_by_their_flat_natural_ids(fault):
         return
     assert not any(isinstance(x, BaseException) for x in got), got
     assert got[0][0] >= 1 and got[0][1] == 3 and got[1] == got[0]  # samples crossed micro-batches; all verified
+
+
+@pytest.mark.parametrize("where", ["pack", "all_to_all"])
+def test_a_corrupted_window_is_reported_when_the_next_window_fails_between_plan_and_finish(where):
+    """The window after a corrupted one fails after it was planned: in one rank's pack (e.g. out of
+    memory for its send buffer), or in the all_to_all on every rank. Every rank still raises the
+    self-check's error, the other failure as its context (a rank that failed alone in pack leaves
+    its peers in the all_to_all until it times out, as without the check)."""
+    from reorder.exchange.collectives import CollectiveError
+    rng = np.random.default_rng(9)
+    gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=1)
+        if r == 1:
+            ex.round._executors[torch.device("cpu")] = Faulty("flip")
+        _, report = ex.exchange([syn.rank_share(gs[0], 2, r)])
+        assert report.moved_samples > 0  # and so does the next window: every rank packs and sends
+        if where == "pack" and r == 0:
+            ex.round._executors[torch.device("cpu")].run = lambda *a, **k: (_ for _ in ()).throw(
+                RuntimeError("out of memory"))
+        if where == "all_to_all":
+            def failing(*a, **k):
+                raise CollectiveError(f"rank {r}: all_to_all failed")
+            ex._all_to_all = failing
+        ex.exchange([syn.rank_share(gs[1], 2, r)])
+
+    errors = run_emulated(2, fn, timeout=3, return_exceptions=True)
+    assert all(isinstance(e, ReorderError) and str(e).startswith("self-check failed: window 0") for e in errors), errors
+    assert len({str(e) for e in errors}) == 1
+    contexts = [type(e.__context__).__name__ for e in errors]
+    assert contexts == (["RuntimeError", "CollectiveError"] if where == "pack" else ["CollectiveError"] * 2), contexts
