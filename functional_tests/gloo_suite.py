@@ -14,6 +14,9 @@ ranks it feeds, by position (point-to-point on the world group, fan-out language
 MIMO's BridgeCommunicator sends embeddings; each language rank checks they are its own (I4).
 --uncaught: a rank's error ends the process with its traceback, as in a training script (no report
 back to rank 0); with --bridge the other module then waits in its next bridge receive.
+--verify N: the runtime self-check on every N-th window; --case corrupt (with it) flips one bit of
+what language rank 0's executor writes in the window of micro-batch --fault-at, which every rank of
+the module must report.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from bench.common import init_torchrun
 from reorder import CostModel, WindowExchanger
 from reorder.cli import synthetic as syn
 from reorder.exchange.dist import build_groups
+from reorder.exchange.executors import TorchExecutor
 from reorder.integrations.megatron import select_fields
 from reorder.plan.grid import canonical_grid
 from reorder.runtime.buffer import ReorderingBuffer
@@ -40,7 +44,7 @@ from support import checks
 from support.harness import module_costs, module_fields
 from spec import reference as ref
 
-CASES = ("ok", "source_raises", "bad_input", "lost_peer", "early_end")
+CASES = ("ok", "source_raises", "bad_input", "lost_peer", "early_end", "corrupt")
 
 
 def global_batches(seed, count, batch, seq_len, features):
@@ -52,7 +56,7 @@ def global_batches(seed, count, batch, seq_len, features):
 
 def faulty_module(args):
     """Where a fault case injects its fault: source errors on language, bad input on vision (when present)."""
-    if args.case == "source_raises" or args.vision_dp == 0:
+    if args.case in ("source_raises", "corrupt") or args.vision_dp == 0:
         return "language"
     return "vision"
 
@@ -70,6 +74,22 @@ def rank_source(args, module, dp, rank, device):
         if args.case == "bad_input" and k == args.fault_at and module == faulty_module(args) and rank == 0:
             share = dict(share, input_ids=share["input_ids"][:, :-1])  # wrong width on one rank only
         yield share
+
+
+class Corrupting(TorchExecutor):
+    """The torch executor, which flips one bit of the first buffer it writes bytes into in window
+    `at` (counted as the round counts them): a corrupted exchange the self-check must report."""
+
+    def __init__(self, rnd, at: int):
+        super().__init__()
+        self.rnd, self.at, self.done = rnd, at, False
+
+    def run(self, segments, sources, destinations, held=None):
+        super().run(segments, sources, destinations)
+        written = [d for d in destinations if d.numel()]
+        if not self.done and written and self.rnd._windows - 1 == self.at:
+            written[0].view(-1).view(torch.uint8)[0] ^= 1
+            self.done = True
 
 
 def place_inputs(share: dict, inputs: str, k: int, device: torch.device) -> dict:
@@ -106,7 +126,9 @@ def run(args, placed=None) -> dict:
     if coll is not None and args.launch_rendezvous:
         coll.launch_rendezvous = True
     ex = WindowExchanger(grid=grid, micro_batch_size=args.micro_batch, cost=cost, balancer=args.balancer,
-                         window_size=args.window, collectives=coll, device=device)
+                         window_size=args.window, collectives=coll, device=device, verify=args.verify)
+    if args.case == "corrupt" and module == faulty_module(args) and grid.rank == 0:
+        ex.round._executors[device or torch.device("cpu")] = Corrupting(ex.round, args.fault_at // args.window)
     source = rank_source(args, module, grid.dp, grid.rank, device)
     if args.case == "lost_peer":
         dist.barrier()  # every rank has finished connecting its groups (Gloo connects at creation)
@@ -185,7 +207,7 @@ def check_world(args, everyone) -> dict:
         alive = [s for s in everyone if s["module"] == faulty]
         assert all(s["error"] for s in alive), f"case {args.case}: some ranks did not raise: {errors}"
         msgs = {s["error"] for s in alive}
-        if args.case in ("source_raises", "bad_input", "early_end"):
+        if args.case in ("source_raises", "bad_input", "early_end", "corrupt"):
             assert len(msgs) == 1, f"ranks raised different errors: {msgs}"
             assert msgs.pop().startswith("ReorderError"), errors
         return dict(case=args.case, errors=sorted({s["error"] for s in alive}))
@@ -233,7 +255,10 @@ def parse(argv=None):
     p.add_argument("--launch-rendezvous", action="store_true",
                    help="the overlap pair meets before each all_to_all as it does with NCCL payloads")
     p.add_argument("--uncaught", action="store_true", help="a rank's error ends its process (as in training)")
+    p.add_argument("--verify", type=int, default=0, help="the runtime self-check on every N-th window (0: off)")
     args = p.parse_args(argv)
+    if args.case == "corrupt" and not args.verify:
+        p.error("--case corrupt needs --verify N: without the self-check nothing reports the corruption")
     if args.bridge and args.vision_dp and args.language_dp % args.vision_dp:
         p.error(f"--bridge needs language dp a multiple of vision dp; got --vision-dp {args.vision_dp} "
                 f"--language-dp {args.language_dp}")

@@ -331,6 +331,15 @@ CASES = [
                     Seen("language", None, note="serves all 7 micro-batches")),
               params=dict(argv=["--vision-dp", "2", "--language-dp", "2", "--case", "bad_input", "--timeout", "30"],
                           world=4)),
+    FaultCase("corrupt", "gloo", where="language rank 0's executor, window 1 (micro-batches 2-3), self-check on "
+                                       "every window",
+              input="one bit flipped in the first buffer it writes",
+              sees=(Seen("language", "ReorderError", ("self-check failed: window 1, micro-batch", "differs in field"),
+                         note="the same text on both ranks, at window 2, after serving micro-batches 0-3: a window "
+                              "is compared when the next one's frames arrive"),
+                    Seen("vision", None, note="serves all 7 micro-batches")),
+              params=dict(argv=["--vision-dp", "2", "--language-dp", "2", "--case", "corrupt", "--verify", "1",
+                                "--timeout", "30"], world=4)),
     # --- online calibration: every rank of the fit group decides alike, training goes on ------------
     FaultCase("calibration_time_not_finite", "calibration", where="rank 1's step time, window 5",
               input="ms = nan (the same for inf)",
