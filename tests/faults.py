@@ -42,7 +42,8 @@ SUITES = {
                     "per_rank: one Calibration's settings per rank, whose headers are folded together"),
     "gloo": ("tests/test_functional_gloo.py::test_faults_raise_on_every_rank",
              "argv: gloo_suite arguments (run with --overlap and --no-overlap); world: processes; "
-             "dead: global ranks that exit on purpose (no report)"),
+             "dead: global ranks that exit on purpose (no report); served: {who: micro-batches each of "
+             "those ranks served before its error}"),
     "torchrun": ("tests/test_functional_gloo.py::test_fault_under_torchrun",
                  "argv: gloo_suite arguments; nproc: processes torchrun starts; sigterm_ok: modules whose ranks "
                  "torchrun may end (SIGTERM) before they report what they saw"),
@@ -339,7 +340,7 @@ CASES = [
                               "is compared when the next one's frames arrive"),
                     Seen("vision", None, note="serves all 7 micro-batches")),
               params=dict(argv=["--vision-dp", "2", "--language-dp", "2", "--case", "corrupt", "--verify", "1",
-                                "--timeout", "30"], world=4)),
+                                "--timeout", "30"], world=4, served={"language": 4})),
     # --- online calibration: every rank of the fit group decides alike, training goes on ------------
     FaultCase("calibration_time_not_finite", "calibration", where="rank 1's step time, window 5",
               input="ms = nan (the same for inf)",

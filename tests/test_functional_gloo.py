@@ -96,6 +96,9 @@ def test_faults_raise_on_every_rank(case, overlap, tmp_path):
     reports = _reports(tmp_path)
     assert sorted(set(range(p["world"])) - set(reports)) == p.get("dead", [])  # every other rank reported
     _check_ranks(case, reports, same_error=True)
+    for who, n in p.get("served", {}).items():
+        served = [rep["n"] for rep in reports.values() if _named(who, rep)]
+        assert served and set(served) == {n}, reports
     if "errors" in result:  # rank 0's view of the faulty module: one error on every rank, a ReorderError
         assert len(result["errors"]) == 1
         next(s for s in case.sees if s.error == "ReorderError").check(result["errors"][0])
