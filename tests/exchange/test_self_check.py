@@ -671,15 +671,17 @@ def test_a_corrupted_window_is_reported_when_the_next_window_fails_between_plan_
 
 @settings(max_examples=30, deadline=None)
 @given(dp=st.sampled_from([1, 2, 3]), window=st.integers(1, 3), micro_batches=st.integers(1, 5),
-       cross_slot=st.booleans(), min_gain=st.sampled_from([None, 0.05]), verify=st.integers(1, 3),
-       held=st.sampled_from(["none", "every other"]), fault=st.booleans(), seed=st.integers(0, 10**6))
+       cross_slot=st.booleans(), min_gain=st.sampled_from([None, 0.05]), backoff=st.sampled_from([0, 2]),
+       shadow=st.booleans(), verify=st.integers(1, 3), held=st.sampled_from(["none", "every other"]),
+       fault=st.booleans(), seed=st.integers(0, 10**6))
 def test_every_configuration_verifies_what_it_checks_and_catches_a_flipped_byte(
-        dp, window, micro_batches, cross_slot, min_gain, verify, held, fault, seed):
-    """Over window sizes, stream lengths, cross-slot plans, the gate (slots kept as given), check
-    schedules and sources summed early: a correct stream raises nothing and every rank counts as
-    verified exactly the checked windows that moved bytes (every verify-th window, from the first;
-    a natural one checks nothing), with W x B samples each; with the check on every window, a byte
-    flipped by one rank's executor is reported by every rank, the same text."""
+        dp, window, micro_batches, cross_slot, min_gain, backoff, shadow, verify, held, fault, seed):
+    """Over window sizes, stream lengths, cross-slot plans, the gate (slots kept as given) and its
+    backoff (windows skipped), shadow mode, check schedules and sources summed early: a correct
+    stream raises nothing and every rank counts as verified exactly the checked windows that moved
+    bytes (every verify-th window from the first, skipped ones counted; a natural or shadow one
+    checks nothing), with W x B samples each; with the check on every window, a byte flipped by one
+    rank's executor is reported by every rank, the same text."""
     from unittest import mock
 
     from reorder.exchange import round as round_module
@@ -700,7 +702,8 @@ def test_every_configuration_verifies_what_it_checks_and_catches_a_flipped_byte(
     def fn(r, coll):
         ex = WindowExchanger(grid=Grid(size=groups, dp=dp, rank=r), micro_batch_size=b, cost=COST, balancer="lpt",
                              window_size=window, collectives=coll if dp > 1 else None, verify=verify,
-                             cross_slot=cross_slot, min_gain=min_gain)
+                             cross_slot=cross_slot, min_gain=min_gain, shadow=shadow,
+                             gate_backoff=backoff if min_gain else 0)
         faulty = ex.round._executors[torch.device("cpu")] = Faulty("flip") if fault and r == dp - 1 else TorchExecutor()
         reports = []
         try:
@@ -720,7 +723,7 @@ def test_every_configuration_verifies_what_it_checks_and_catches_a_flipped_byte(
         return
     assert not any(isinstance(x, BaseException) for x, _ in got), got
     reports = got[0][0][0]
-    checked = [k for k, rep in enumerate(reports) if k % verify == 0 and not _natural(rep, b)]
+    checked = [k for k, rep in enumerate(reports) if k % verify == 0 and not (rep.shadow or _natural(rep, b))]
     want = (len(checked), sum(reports[k].orders.size for k in checked))
     assert all((v, s) == want for (_, v, s), _ in got), (got, want)
 
