@@ -576,6 +576,18 @@ def test_the_last_window_is_compared_after_this_window_s_sums_are_launched(monke
     assert events[-1] == "compare" and ex.verified_windows == 3 and ex.verified_samples == 24
 
 
+def _after_a_corrupted_window(r, coll, g):
+    """Rank r's exchanger of a dp-2 group, the check on every window, after a first window (global
+    micro-batch g) that moved samples and in which rank 1's executor flipped a byte."""
+    ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                         collectives=coll, verify=1)
+    if r == 1:
+        ex.round._executors[torch.device("cpu")] = Faulty("flip")
+    _, report = ex.exchange([syn.rank_share(g, 2, r)])
+    assert report.moved_samples > 0
+    return ex
+
+
 @pytest.mark.parametrize("bad", ["source", "layout"])
 def test_a_corrupted_window_is_reported_before_the_next_window_s_own_error(bad):
     """When the window after a corrupted one fails on its own (a data source raised on one rank, or
@@ -585,12 +597,7 @@ def test_a_corrupted_window_is_reported_before_the_next_window_s_own_error(bad):
     gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
-                             collectives=coll, verify=1)
-        if r == 1:
-            ex.round._executors[torch.device("cpu")] = Faulty("flip")
-        _, report = ex.exchange([syn.rank_share(gs[0], 2, r)])
-        assert report.moved_samples > 0
+        ex = _after_a_corrupted_window(r, coll, gs[0])
         second = syn.rank_share(gs[1], 2, r)
         if bad == "layout" and r == 0:
             second["extra"] = torch.zeros(4, 3)
@@ -647,12 +654,7 @@ def test_a_corrupted_window_is_reported_when_the_next_window_fails_between_plan_
     gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
-                             collectives=coll, verify=1)
-        if r == 1:
-            ex.round._executors[torch.device("cpu")] = Faulty("flip")
-        _, report = ex.exchange([syn.rank_share(gs[0], 2, r)])
-        assert report.moved_samples > 0  # and so does the next window: every rank packs and sends
+        ex = _after_a_corrupted_window(r, coll, gs[0])  # the next window moves samples too: every rank sends
         if where == "pack" and r == 0:
             ex.round._executors[torch.device("cpu")].run = lambda *a, **k: (_ for _ in ()).throw(
                 RuntimeError("out of memory"))
