@@ -675,11 +675,12 @@ def test_a_corrupted_window_is_reported_when_the_next_window_fails_between_plan_
 @given(dp=st.sampled_from([1, 2, 3]), window=st.integers(1, 3), micro_batches=st.integers(1, 5),
        cross_slot=st.booleans(), min_gain=st.sampled_from([None, 0.05]), backoff=st.sampled_from([0, 2]),
        shadow=st.booleans(), verify=st.integers(1, 3), held=st.sampled_from(["none", "every other"]),
-       fault=st.booleans(), seed=st.integers(0, 10**6))
+       early_copy=st.booleans(), fault=st.booleans(), seed=st.integers(0, 10**6))
 def test_every_configuration_verifies_what_it_checks_and_catches_a_flipped_byte(
-        dp, window, micro_batches, cross_slot, min_gain, backoff, shadow, verify, held, fault, seed):
+        dp, window, micro_batches, cross_slot, min_gain, backoff, shadow, verify, held, early_copy, fault, seed):
     """Over window sizes, stream lengths, cross-slot plans, the gate (slots kept as given) and its
-    backoff (windows skipped), shadow mode, check schedules and sources summed early: a correct
+    backoff (windows skipped), shadow mode, check schedules, sources summed early and micro-batches
+    copied to the device as they are counted (early_copy, the device here the CPU): a correct
     stream raises nothing and every rank counts as verified exactly the checked windows that moved
     bytes (every verify-th window from the first, skipped ones counted; a natural or shadow one
     checks nothing), with W x B samples each; with the check on every window, a byte flipped by one
@@ -705,7 +706,8 @@ def test_every_configuration_verifies_what_it_checks_and_catches_a_flipped_byte(
         ex = WindowExchanger(grid=Grid(size=groups, dp=dp, rank=r), micro_batch_size=b, cost=COST, balancer="lpt",
                              window_size=window, collectives=coll if dp > 1 else None, verify=verify,
                              cross_slot=cross_slot, min_gain=min_gain, shadow=shadow,
-                             gate_backoff=backoff if min_gain else 0)
+                             gate_backoff=backoff if min_gain else 0, early_copy=early_copy,
+                             device="cpu" if early_copy else None)
         faulty = ex.round._executors[torch.device("cpu")] = Faulty("flip") if fault and r == dp - 1 else TorchExecutor()
         reports = []
         try:
