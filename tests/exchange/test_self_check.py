@@ -437,6 +437,52 @@ def test_a_kept_slot_is_summed_once_and_still_compared(monkeypatch, fault):
         assert all(t is not None for bufs in call for t in bufs)
 
 
+@pytest.mark.parametrize("fault", [None, "flip"])
+@pytest.mark.parametrize("held", ["every other", "all"])
+@pytest.mark.parametrize("kept", [0, 1])
+def test_a_kept_slot_with_held_sources_is_summed_whole_as_assembled(monkeypatch, kept, held, fault):
+    """A slot this rank keeps as it is but whose sources are partly or all held (read in place from
+    pinned memory: summed early, by their own launch) hands out those very sources: the call after
+    the assembly reads them all again as its assembled part, beside the sender's late sources (none
+    when all are held), so its sums add up to what was read. A correct window passes; a byte
+    flipped in the moved slot is caught on every rank."""
+    from reorder.exchange import round as round_module
+    holding(monkeypatch, (lambda i: i % 2) if held == "every other" else (lambda i: True))
+    calls = {}  # rank (its thread) -> per checksum call, per part, its buffers left out (None)
+    sums = round_module.window_checksums
+
+    def recording_sums(parts, fields, device, **kw):
+        calls.setdefault(threading.get_ident(), []).append([[t is None for t in bufs] for bufs, _ in parts])
+        return sums(parts, fields, device, **kw)
+
+    monkeypatch.setattr(round_module, "window_checksums", recording_sums)
+
+    def fn(r, coll):
+        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                             collectives=coll, verify=1, window_size=2, min_gain=0.1)
+        if fault and r == 1:
+            ex.round._executors[torch.device("cpu")] = Faulty(fault)
+        rng = np.random.default_rng(4)
+        gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
+        _, report = ex.exchange([syn.rank_share(g, 2, r) for g in (gs if kept == 0 else gs[::-1])])
+        rows = ex.round._check.rows
+        ex.exchange([])
+        natural = (report.orders == np.arange(8)).all(axis=1)
+        return report.gated_slots, np.flatnonzero(natural).tolist(), report.moved_samples, rows, ex.verified_windows
+
+    got = run_emulated(2, fn, timeout=30, return_exceptions=True)
+    if fault:
+        assert all(isinstance(e, ReorderError) and "self-check failed" in str(e) for e in got), got
+        assert len({str(e) for e in got}) == 1
+        return
+    assert [(g, k, m, v) for g, k, m, _, v in got] == [(1, [kept], 2, 1)] * 2  # slot `kept` gated; verified
+    late = 2 if held == "every other" else 0  # the slots' late sources, first (none when every source is held)
+    for (*_, rows, _), (early, after) in zip(got, calls.values()):
+        assert len(early) == 2 and len(after) == late + 2  # then the moved slot as assembled, the kept one whole
+        assert sorted(rows) == [late, late + 1]  # every slot's assembled sums in a part of its own
+        assert all(not any(part) for part in after[late:])  # which leaves no buffer out
+
+
 def test_the_sender_sums_the_very_buffers_the_executor_reads(monkeypatch):
     """A checked window makes each slot's buffers once: the sender's checksums (the held sources in
     their own launch, the others with the assembled ones) read the same tensors that the executor's
@@ -738,3 +784,30 @@ def _natural(report, b: int) -> bool:
     w = len(report.orders)
     return np.array_equal(report.orders, np.arange(w * b).reshape(w, b)) or \
         np.array_equal(report.orders, np.tile(np.arange(b), (w, 1)))
+
+
+def test_the_error_names_the_field_or_the_fields_that_share_the_last_word():
+    """Fields from the 16th on share the last checksum word: a mismatch there names all of them
+    ("one of a, b, ..."), one in the word before names its one field."""
+    from reorder.exchange.round import _field_names
+    b = 8
+    rng = np.random.default_rng(3)
+    batches = [syn.make_global_batch(rng, b, 256, features=8, mix="large", first_id=b * k, scale=0.05) for k in (0, 1)]
+    for g in batches:
+        g.update({f"extra{i:02d}": torch.arange(b * 3, dtype=torch.int32).reshape(b, 3) + i for i in range(CHECKED_FIELDS)})
+    ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=b, cost=COST, verify=1)
+    _, report = ex.exchange([batches[0]])
+    assert (report.orders != np.arange(b)).any()  # the window moved: it is checked
+    rnd = ex.round
+    frame = rnd.read([batches[1]])
+    check = rnd._now.last
+    names = _field_names(check.layout)
+    assert len(names) > CHECKED_FIELDS
+    _, got_at, _ = rnd._sums_at
+    for slot, field in ((CHECKED_FIELDS - 2, repr(names[CHECKED_FIELDS - 2])),
+                        (CHECKED_FIELDS - 1, repr("one of " + ", ".join(names[CHECKED_FIELDS - 1:])))):
+        frames = frame[None].copy()
+        frames.ravel()[got_at[0, 3, slot]] += 1  # what position 3 holds, as assembled, differs in that word
+        error = rnd._compared(check, frames)
+        assert f"differs in field {field} from" in error and "at position 3" in error, error
+    assert rnd._compared(check, frame[None].copy()) is None
