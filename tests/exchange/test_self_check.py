@@ -788,13 +788,15 @@ def _natural(report, b: int) -> bool:
 
 def test_the_error_names_the_field_or_the_fields_that_share_the_last_word():
     """Fields from the 16th on share the last checksum word: a mismatch there names all of them
-    ("one of a, b, ..."), one in the word before names its one field."""
+    ("one of a, b, ..."; a nested field by its '/'-joined path, the pickled per-sample lists as
+    "per-sample lists"), one in the word before names its one field."""
     from reorder.exchange.round import _field_names
     b = 8
     rng = np.random.default_rng(3)
     batches = [syn.make_global_batch(rng, b, 256, features=8, mix="large", first_id=b * k, scale=0.05) for k in (0, 1)]
     for g in batches:
-        g.update({f"extra{i:02d}": torch.arange(b * 3, dtype=torch.int32).reshape(b, 3) + i for i in range(CHECKED_FIELDS)})
+        g["extra"] = {f"f{i:02d}": torch.arange(b * 3, dtype=torch.int32).reshape(b, 3) + i for i in range(CHECKED_FIELDS)}
+        g["sample_tags"] = [f"t{i}" for i in range(b)]
     ex = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=b, cost=COST, verify=1)
     _, report = ex.exchange([batches[0]])
     assert (report.orders != np.arange(b)).any()  # the window moved: it is checked
@@ -810,4 +812,6 @@ def test_the_error_names_the_field_or_the_fields_that_share_the_last_word():
         frames.ravel()[got_at[0, 3, slot]] += 1  # what position 3 holds, as assembled, differs in that word
         error = rnd._compared(check, frames)
         assert f"differs in field {field} from" in error and "at position 3" in error, error
+    assert "'one of " in error and "extra/f15, " in error and error.count(", ") >= 2, error
+    assert "per-sample lists'" in error and names[-1] == "per-sample lists", error
     assert rnd._compared(check, frame[None].copy()) is None
