@@ -396,6 +396,21 @@ def test_a_fault_is_caught_whether_its_source_was_summed_early_or_late(monkeypat
     assert len({str(e) for e in errors}) == 1
 
 
+def _one_slot_gated(r, coll, fault, reverse=False):
+    """Rank r of a dp-2 group, the check on every window and the gate on, after a window of two
+    micro-batches of which the gate keeps the first as it is (the second with `reverse`) and the
+    other moves samples; rank 1 runs the faulty executor when `fault`. Returns the exchanger, the
+    window's report and the check's rows (per slot, the part of its assembled sums)."""
+    ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
+                         collectives=coll, verify=1, window_size=2, min_gain=0.1)
+    if fault and r == 1:
+        ex.round._executors[torch.device("cpu")] = Faulty(fault)
+    rng = np.random.default_rng(4)
+    gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
+    _, report = ex.exchange([syn.rank_share(g, 2, r) for g in (gs[::-1] if reverse else gs)])
+    return ex, report, ex.round._check.rows
+
+
 @pytest.mark.parametrize("fault", [None, "flip"])
 def test_a_kept_slot_is_summed_once_and_still_compared(monkeypatch, fault):
     """A slot this rank keeps as it is (here: gated, on every rank), with no held source, hands out
@@ -413,14 +428,7 @@ def test_a_kept_slot_is_summed_once_and_still_compared(monkeypatch, fault):
     monkeypatch.setattr(round_module, "window_checksums", recording_sums)
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
-                             collectives=coll, verify=1, window_size=2, min_gain=0.1)
-        if fault and r == 1:
-            ex.round._executors[torch.device("cpu")] = Faulty(fault)
-        rng = np.random.default_rng(4)
-        gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
-        _, report = ex.exchange([syn.rank_share(g, 2, r) for g in gs])
-        kept = ex.round._check.rows
+        ex, report, kept = _one_slot_gated(r, coll, fault)
         ex.exchange([])
         return report.gated_slots, report.moved_samples, kept
 
@@ -458,14 +466,7 @@ def test_a_kept_slot_with_held_sources_is_summed_whole_as_assembled(monkeypatch,
     monkeypatch.setattr(round_module, "window_checksums", recording_sums)
 
     def fn(r, coll):
-        ex = WindowExchanger(grid=Grid(size=2, dp=2, rank=r), micro_batch_size=8, cost=COST, balancer="lpt",
-                             collectives=coll, verify=1, window_size=2, min_gain=0.1)
-        if fault and r == 1:
-            ex.round._executors[torch.device("cpu")] = Faulty(fault)
-        rng = np.random.default_rng(4)
-        gs = [syn.make_global_batch(rng, 8, 256, features=8, mix="large", first_id=8 * k, scale=0.05) for k in (0, 1)]
-        _, report = ex.exchange([syn.rank_share(g, 2, r) for g in (gs if kept == 0 else gs[::-1])])
-        rows = ex.round._check.rows
+        ex, report, rows = _one_slot_gated(r, coll, fault, reverse=kept == 1)
         ex.exchange([])
         natural = (report.orders == np.arange(8)).all(axis=1)
         return report.gated_slots, np.flatnonzero(natural).tolist(), report.moved_samples, rows, ex.verified_windows
