@@ -126,7 +126,7 @@ class _Pending:
     sent: torch.Tensor | None = None  # checked: this rank's sums of its held sources [W, B/dp, CHECKED_FIELDS], host
     sums: np.ndarray | None = None  # the last checked window's sums, sent in this window's frame
     last: "_Check | None" = None  # that window, compared once every rank's frames are here (`_verify_last`)
-    made: dict | None = None  # output slot -> its assembled buffers (slots not kept)
+    made: dict | None = None  # output slot -> (its assembled buffers, their SampleCounts) (slots not kept): a checked part
 
 
 def check_verify(verify) -> None:
@@ -505,7 +505,7 @@ class WindowRound:
         if todo:
             counts = [SampleCounts(moves.out_counts.table[s]) for s in todo]
             made = [empty_shard(layout, c, dev) for c in counts]
-            now.made = dict(zip(todo, [bufs for _, bufs in made]))
+            now.made = {s: (bufs, c) for s, (_, bufs), c in zip(todo, made, counts)}
             self._executor(dev).run(moves.assemble, buffers, [t for _, bufs in made for t in bufs],
                                     held=(False,) + now.placement.held)  # buffers: the received one, then the sources
             if layout.lists:  # a wait for the device: before the sums' launch, which it would wait for too
@@ -563,23 +563,26 @@ class WindowRound:
         all but `now.sent` summed in one call (on CUDA one kernel launch). A kept slot with no held
         source is summed once: what it hands out are its sources, which the same call reads as the
         sender's, so its assembled sums are those."""
-        moves, dev, nf, held = now.moves, now.placement.target, len(now.fields), now.placement.held
+        dev, nf, held = now.placement.target, len(now.fields), now.placement.held
         late = self._sender_parts(now, held=False)  # per slot, or None when every source is held
         first = 0 if late is None else len(late)
-        parts, rows = [], []  # the assembled parts, after the late ones; rows: per slot, its assembled sums' part
-        for s in range(len(now.batches)):
-            if not moves.kept[s]:
-                rows.append(first + len(parts))
-                parts.append((now.made[s], SampleCounts(moves.out_counts.table[s])))
+        parts, rows = late or [], []  # the late parts, then the assembled ones; rows: per slot, its assembled sums' part
+        for s, kept in enumerate(now.moves.kept.tolist()):
+            if not kept:
+                rows.append(len(parts))
+                parts.append(now.made[s])
             elif late is not None and not any(held[s * nf:(s + 1) * nf]):
                 rows.append(s)  # its late part: nothing of it is held
             else:
-                rows.append(first + len(parts))
+                rows.append(len(parts))
                 parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
-        sums = window_checksums((late or []) + parts, now.fields, dev, host=True, graphs=self._graphs, placed=True)
+        sums = window_checksums(parts, now.fields, dev, host=True, graphs=self._graphs, placed=True)
+        w = len(rows)
+        if rows == list(range(rows[0], rows[0] + w)):
+            rows = slice(rows[0], rows[0] + w)  # the common case: a view at the read-back, no gather
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
-        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], cross=now.plan.cross_slot,
+        return _Check(window=self._windows - 1, orders=now.plan.orders[:w], cross=now.plan.cross_slot,
                       layout=now.layout, held=now.sent, late=first,
                       sums=sums.reshape(-1, self.local_batch, CHECKED_FIELDS), rows=rows,
                       event=self._recorded(dev) if dev.type == "cuda" else None)
@@ -705,7 +708,7 @@ class _Check:
     CHECKED_FIELDS], the call's: first `late` parts, per slot the sender's sums of its sources that
     are not held (late 0: every source is held), then the assembled parts; `held`, the sender's sums
     of its held sources [W, B/dp, CHECKED_FIELDS] (None when none is), added to the late ones;
-    `rows`, per slot, the part holding its assembled sums; the event after which the sums are
+    `rows`, per slot, the part holding its assembled sums (a slice when they are consecutive); the event after which the sums are
     readable (None when no device wrote them). `sums` may be a view of a captured launch's block
     (`Graphs`), valid until the next window's launches: it is read at the next `read`, and the
     comparison reads the gathered frames only."""
@@ -717,7 +720,7 @@ class _Check:
     held: np.ndarray | None
     late: int
     sums: np.ndarray
-    rows: list
+    rows: list | slice
     event: object
 
 
