@@ -36,8 +36,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from reorder.exchange.exchanger import WindowExchanger, WindowReport
+from reorder.batch.blocks import resolved
 from reorder.batch.layout import tensors
+from reorder.exchange.exchanger import WindowExchanger, WindowReport
 
 log = logging.getLogger("reorder")
 _END = object()
@@ -297,7 +298,10 @@ class ReorderingBuffer(_Consumption):
             self._start_worker()
 
     def _start_worker(self):
-        self._thread = threading.Thread(target=self._worker, name="reorder-overlap", daemon=True)
+        # a CUDA device without an index is the current device of this thread, the consumer's: the
+        # worker's own is torch's default until it sets this one
+        device = resolved(self._ex.device)
+        self._thread = threading.Thread(target=self._worker, args=(device,), name="reorder-overlap", daemon=True)
         self._thread.start()
 
     def _next_micro_batch(self):
@@ -336,8 +340,7 @@ class ReorderingBuffer(_Consumption):
         self._queue.put(item)
         return True
 
-    def _worker(self):
-        device = self._ex.device
+    def _worker(self, device):
         cuda = device is not None and device.type == "cuda"
         try:
             if cuda:

@@ -213,3 +213,32 @@ def test_the_window_log_line_says_how_many_windows_the_self_check_found_intact(c
     assert all(told) and total > 0
     # each line is logged as its window is handed out: the windows verified by then, 8 samples each
     assert [(int(t[1]), int(t[2])) for t in told] == [(n, 8 * n) for n in seen]
+
+
+def test_the_overlap_worker_takes_the_consumers_current_device_for_cuda_without_an_index(monkeypatch):
+    """device="cuda" (no index) means the current device of the thread that builds the buffer (a
+    training process sets its own): the worker thread, whose current device is torch's default
+    until it sets one, sets that device, with its index (torch.cuda.set_device refuses a device
+    without one)."""
+    import torch
+
+    class Stop(Exception):
+        pass
+
+    consumer, seen = threading.current_thread(), []
+
+    def set_device(device):
+        seen.append((threading.current_thread().name, device))
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        raise Stop  # where the worker would make its stream: no CUDA here
+
+    # per thread, as CUDA's: the consumer's is 3, any other thread's the default 0
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3 if threading.current_thread() is consumer else 0)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, cost=CostModel(), device="cuda")
+    batch = syn.make_global_batch(np.random.default_rng(0), 4, 64, features=4, mix="small")
+    with pytest.raises(Stop):
+        with ReorderingBuffer(iter([batch]), ex, overlap=True) as buf:
+            next(buf)
+    assert seen == [("reorder-overlap", torch.device("cuda", 3))]
