@@ -704,14 +704,14 @@ def _per_sample(values, n: int, name: str, dtype) -> np.ndarray:
 class _Check:
     """A checked window whose sums wait for the next window frame: its window number, canonical
     orders [W, B] (flat natural ids when `cross`: a cross-slot plan's) and layout (the field names
-    of an error); `sums`, host [parts, B/dp,
-    CHECKED_FIELDS], the call's: first `late` parts, per slot the sender's sums of its sources that
-    are not held (late 0: every source is held), then the assembled parts; `held`, the sender's sums
-    of its held sources [W, B/dp, CHECKED_FIELDS] (None when none is), added to the late ones;
-    `rows`, per slot, the part holding its assembled sums (a slice when they are consecutive); the event after which the sums are
-    readable (None when no device wrote them). `sums` may be a view of a captured launch's block
-    (`Graphs`), valid until the next window's launches: it is read at the next `read`, and the
-    comparison reads the gathered frames only."""
+    of an error); `sums`, host [parts, B/dp, CHECKED_FIELDS], the call's: first `late` parts, per
+    slot the sender's sums of its sources that are not held (late 0: every source is held), then
+    the assembled parts; `held`, the sender's sums of its held sources [W, B/dp, CHECKED_FIELDS]
+    (None when none is), added to the late ones; `rows`, per slot, the part holding its assembled
+    sums (a slice when they are consecutive); the event after which the sums are readable (None
+    when no device wrote them). `sums` may be a view of a captured launch's block (`Graphs`), valid
+    until the next window's launches: it is read at the next `read`, and the comparison reads the
+    gathered frames only."""
 
     window: int
     orders: np.ndarray
