@@ -5,17 +5,19 @@ window with one WindowExchanger call, and yields its micro-batches in order. At 
 passes one empty window together so an early-ending rank makes all ranks raise instead of hang.
 
 overlap=True prepares the next window on a background thread: its own CUDA stream (and
-`torch.cuda.set_device` in the thread), its own process groups (the exchanger passed in must use
-them), at most `ahead` windows queued or being prepared beyond the one being consumed (default 1:
-the worker starts window k+1 when the consumer takes the last micro-batch of window k, so the device
-holds that micro-batch plus one window in flight or queued, and the exchange hides behind that
-micro-batch's step; ahead=2 also prepares k+2 while k+1 waits, which absorbs jitter at the cost of
-one more window resident), `record_stream` + an event wait on the consumer side, worker exceptions re-raised
-on the consumer's next `next()`, and a thread that ends on its own when the source is exhausted or
-on `close()` / context-manager exit. Windows the gate backoff skips have nothing to overlap: the
-worker hands each run of them to the consumer, which reads and passes them through itself (a thread
-hand-off per window costs more than the window, and the training thread would lose the GIL to the
-worker for it), then resumes the worker for the next planned window while it consumes the last one.
+`torch.cuda.set_device` in the thread: the exchanger's device, or, given as "cuda" without an index,
+the consumer thread's current device when the worker starts), its own process groups (the exchanger
+passed in must use them), at most `ahead` windows queued or being prepared beyond the one being
+consumed (default 1: the worker starts window k+1 when the consumer takes the last micro-batch of
+window k, so the device holds that micro-batch plus one window in flight or queued, and the exchange
+hides behind that micro-batch's step; ahead=2 also prepares k+2 while k+1 waits, which absorbs
+jitter at the cost of one more window resident), `record_stream` + an event wait on the consumer
+side, worker exceptions re-raised on the consumer's next `next()`, and a thread that ends on its own
+when the source is exhausted or on `close()` / context-manager exit. Windows the gate backoff skips
+have nothing to overlap: the worker hands each run of them to the consumer, which reads and passes
+them through itself (a thread hand-off per window costs more than the window, and the training
+thread would lose the GIL to the worker for it), then resumes the worker for the next planned window
+while it consumes the last one.
 
 Checkpoints: `state_dict()` / `load_state_dict()` (torch.distributed.checkpoint's Stateful protocol)
 count the micro-batches served to the caller; a source given as a factory `consumed_samples ->
