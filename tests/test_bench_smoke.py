@@ -478,3 +478,17 @@ class TestVerifyCostTable(expecttest.TestCase):
             table([run])
         self.assertExpectedInline(str(e.exception),
                                   """the JSON of device W 1 times the paths kernel, torch: name one with --path""")
+
+
+def test_the_readme_step_cost_table_from_the_committed_jsons():
+    """Each cell of the README's training-step table (every window against the check off, per
+    overlap) is its committed JSON's medians and ratio, as written there."""
+    readme = (ROOT / "README.md").read_text()
+    runs = sorted((ROOT / "functional_tests/results/selfcheck/step_cost_44f941e").glob("step_*.json"))
+    assert len(runs) == 3
+    for f in runs:
+        rows = json.loads(f.read_text())["settings"]
+        cells = [f"{rows[f'overlap {o}, every window']['step_ms']:.2f} against "
+                 f"{rows[f'overlap {o}, check off']['step_ms']:.2f}: {rows[f'overlap {o}, every window']['ratio']:.3f}×"
+                 for o in ("off", "on")]
+        assert " | ".join(cells) in readme, (f.name, cells)
