@@ -45,18 +45,23 @@ def times_ms(fn, reps: int, sync=_nothing, warmup: int = 0) -> list:
     return out
 
 
-def code_commit() -> str:
-    """The commit of the code measured, for a results file: $REORDER_COMMIT when set (a copy of the
-    tree on another machine may carry a stale .git), else `git rev-parse --short HEAD` ("" without
-    git)."""
+def code_commit(root: str | None = None) -> str:
+    """The commit of the code measured, for a results file: $REORDER_COMMIT when set, else
+    `git rev-parse --short HEAD` of the checkout at `root` (default: this repository), with
+    "+changes" when its tracked files differ from that commit ("" without git). A copy of the tree
+    on another machine may carry a stale .git: its results then say that they are not that commit."""
     given = os.environ.get("REORDER_COMMIT")
     if given:
         return given
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=root).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=root).stdout.strip()
     except OSError:
         return ""
+    return head + "+changes" if head and changed else head
 
 
 def cpu_name() -> str:

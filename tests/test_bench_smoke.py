@@ -159,17 +159,32 @@ def test_calls_counts_what_a_function_runs():
     assert calls(work) == {"lines": 4, "python": 2, "numpy": 3, "torch": 1, "other": 2}
 
 
-def test_results_name_the_commit_measured(monkeypatch):
-    """A results file records $REORDER_COMMIT when given (a copy of the tree elsewhere may carry a
-    stale .git), else the checkout's HEAD."""
+def test_results_name_the_commit_measured(monkeypatch, tmp_path):
+    """A results file records $REORDER_COMMIT when given, else the checkout's HEAD, marked
+    "+changes" when a tracked file differs from it (a copy of the tree elsewhere whose .git is
+    stale); files git does not track change nothing."""
     sys.path.insert(0, str(ROOT))
     from bench.common import code_commit
 
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
     monkeypatch.delenv("REORDER_COMMIT", raising=False)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert code_commit() == head.strip()
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "results.json").write_text("{}")
+    assert code_commit(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert code_commit(str(tmp_path)) == head + "+changes"
     monkeypatch.setenv("REORDER_COMMIT", "0123abc")
-    assert code_commit() == "0123abc"
+    assert code_commit(str(tmp_path)) == "0123abc"
+    monkeypatch.delenv("REORDER_COMMIT")
+    assert code_commit().split("+")[0] == subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                         capture_output=True, text=True).stdout.strip()
 
 
 @pytest.mark.parametrize("gpus,want", [(1, [0, 0, 0, 0]), (2, [0, 1, 0, 1]), (4, [0, 1, 2, 3])])
