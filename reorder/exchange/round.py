@@ -577,12 +577,9 @@ class WindowRound:
                 rows.append(len(parts))
                 parts.append((now.sources[s * nf:(s + 1) * nf], SampleCounts(now.window.counts.table[s])))
         sums = window_checksums(parts, now.fields, dev, host=True, graphs=self._graphs, placed=True)
-        w = len(rows)
-        if rows == list(range(rows[0], rows[0] + w)):
-            rows = slice(rows[0], rows[0] + w)  # the common case: a view at the read-back, no gather
         # one event for every copy to the host: the window's steps run on one thread, and so on one
         # stream of the target device
-        return _Check(window=self._windows - 1, orders=now.plan.orders[:w], cross=now.plan.cross_slot,
+        return _Check(window=self._windows - 1, orders=now.plan.orders[:len(rows)], cross=now.plan.cross_slot,
                       layout=now.layout, held=now.sent, late=first,
                       sums=sums.reshape(-1, self.local_batch, CHECKED_FIELDS), rows=rows,
                       event=self._recorded(dev) if dev.type == "cuda" else None)
@@ -705,13 +702,12 @@ class _Check:
     """A checked window whose sums wait for the next window frame: its window number, canonical
     orders [W, B] (flat natural ids when `cross`: a cross-slot plan's) and layout (the field names
     of an error); `sums`, host [parts, B/dp, CHECKED_FIELDS], the call's: first `late` parts, per
-    slot the sender's sums of its sources that are not held (late 0: every source is held), then
-    the assembled parts; `held`, the sender's sums of its held sources [W, B/dp, CHECKED_FIELDS]
-    (None when none is), added to the late ones; `rows`, per slot, the part holding its assembled
-    sums (a slice when they are consecutive); the event after which the sums are readable (None
-    when no device wrote them). `sums` may be a view of a captured launch's block (`Graphs`), valid
-    until the next window's launches: it is read at the next `read`, and the comparison reads the
-    gathered frames only."""
+    slot the sender's sums of its sources that are not held (late 0: every source is held), then the
+    assembled parts; `held`, the sender's sums of its held sources [W, B/dp, CHECKED_FIELDS] (None
+    when none is), added to the late ones; `rows`, per slot, the part holding its assembled sums;
+    the event after which the sums are readable (None when no device wrote them). `sums` may be a
+    view of a captured launch's block (`Graphs`), valid until the next window's launches: it is read
+    at the next `read`, and the comparison reads the gathered frames only."""
 
     window: int
     orders: np.ndarray
@@ -720,7 +716,7 @@ class _Check:
     held: np.ndarray | None
     late: int
     sums: np.ndarray
-    rows: list | slice
+    rows: list
     event: object
 
 
