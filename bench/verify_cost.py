@@ -26,7 +26,10 @@ that part costs inside a window (the median's difference from the every-window r
 the part itself cannot tell (a part run cold, between the window's other steps, costs more than
 alone): "no comparison" (the sums travel, nobody compares them), "no read-back" (nor are they read
 back and sent), "no launch" (the checksum calls return zeros at once: no launch block, no launch;
-the zeros are read back and compared). These rows check nothing.
+the zeros are read back and compared), and "assembled only" (one launch a window sums what was
+assembled, nothing else: no source summed, nothing read back or compared; the device's part of
+any check that reads the assembled bytes once, by one launch after the writes). These rows check
+nothing.
 
 --early-sources: one more every-window row whose sources are all summed once the window is
 planned, by their own launch before the executor reads them (as the library sums only the sources
@@ -126,7 +129,7 @@ class Path:
         return got
 
 
-ABLATED = ("no comparison", "no read-back", "no launch")  # --ablate: every window, a part left out
+ABLATED = ("no comparison", "no read-back", "no launch", "assembled only")  # --ablate: every window, parts left out
 EARLY = "every window, sources early"  # --early-sources
 
 
@@ -160,12 +163,15 @@ def sources_early(ex: WindowExchanger) -> None:
 
 def leave_out(name: str, ex: WindowExchanger) -> None:
     """`ex`'s round with the comparison, or the read-back and the comparison, left out when the row
-    `name` says so (an ABLATED row; "no launch" is its path)."""
+    `name` says so (an ABLATED row; "no launch" is its path), and for "assembled only" the sources'
+    sums too (a kept slot's sources are still summed: they are what it hands out)."""
     rnd = ex.round
-    if name.endswith(("no comparison", "no read-back")):
+    if name.endswith(("no comparison", "no read-back", "assembled only")):
         rnd._compared = lambda check, frames: None  # every comparison passes
-    if name.endswith("no read-back"):
+    if name.endswith(("no read-back", "assembled only")):
         rnd._check_words = lambda: None  # no sums in the frame: nothing to compare either
+    if name.endswith("assembled only"):
+        rnd._sender_parts = lambda now, *, held: None  # no source summed, held or not
 
 
 BUSY = "reorder.verify_cost window: "  # the profiler ranges of --device-busy

@@ -36,11 +36,14 @@ except ValueError as e:
     print('RESULT refused:', e)" ;;
     gpu)  # ci/gpu.sh at 2, 4 and 8 ranks
       for n in 2 4 8; do job "gpu_n$n" env NPROC=$n OUT="$LOG" bash ci/gpu.sh; done ;;
-    hetero)  # vision + language worlds: W 1..4 x overlap x inputs on the device, pinned, pageable
+    hetero)  # vision + language worlds: W 1..4 x overlap x inputs on the device, pinned, pageable; two with
+      # the runtime self-check (every window, every 2nd), and a corrupted exchange every rank of its module reports
       job hetero_1_2 torchrun --standalone --nproc-per-node 3 $GLOO --vision-dp 1 --language-dp 2 --micro-batch 8
-      job hetero_2_4 torchrun --standalone --nproc-per-node 6 $GLOO --vision-dp 2 --language-dp 4 --micro-batch 8
+      job hetero_2_4_verify1 torchrun --standalone --nproc-per-node 6 $GLOO --vision-dp 2 --language-dp 4 --micro-batch 8 --verify 1
       job hetero_2_6 torchrun --standalone --nproc-per-node 8 $GLOO --vision-dp 2 --language-dp 6 --micro-batch 12
-      job hetero_4_4 torchrun --standalone --nproc-per-node 8 $GLOO --vision-dp 4 --language-dp 4 --micro-batch 8 ;;
+      job hetero_4_4_verify2 torchrun --standalone --nproc-per-node 8 $GLOO --vision-dp 4 --language-dp 4 --micro-batch 8 --verify 2
+      job corrupt_2_4 torchrun --standalone --nproc-per-node 6 functional_tests/gloo_suite.py --device cuda --timeout 120 \
+          --vision-dp 2 --language-dp 4 --micro-batch 8 --case corrupt --verify 1 ;;
     mimo)
       job mimo env OUT="$LOG" TAR_LOGS=1 bash ci/gpu_mimo.sh ;;
   esac

@@ -153,7 +153,7 @@ def run(args, placed=None) -> dict:
     summary = dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs),
                    error=None if seen_error is None else f"{type(seen_error).__name__}: {seen_error}",
                    ids=[o["sample_id"].tolist() for o in outs],
-                   orders=[r.orders.tolist() for r in buf.reports], elapsed=elapsed)
+                   orders=[r.orders.tolist() for r in buf.reports], elapsed=elapsed, verified=ex.verified_windows)
     if args.report_dir:
         with open(os.path.join(args.report_dir, f"rank{me}.json"), "w") as f:
             json.dump({k: summary[k] for k in ("rank", "module", "dp_rank", "n", "error")}, f)
@@ -209,7 +209,9 @@ def check_world(args, everyone) -> dict:
         msgs = {s["error"] for s in alive}
         if args.case in ("source_raises", "bad_input", "early_end", "corrupt"):
             assert len(msgs) == 1, f"ranks raised different errors: {msgs}"
-            assert msgs.pop().startswith("ReorderError"), errors
+            msg = msgs.pop()
+            assert msg.startswith("ReorderError"), errors
+            assert args.case != "corrupt" or "self-check failed" in msg, msg
         return dict(case=args.case, errors=sorted({s["error"] for s in alive}))
     assert not any(errors), errors
     n = everyone[0]["n"]
@@ -223,7 +225,10 @@ def check_world(args, everyone) -> dict:
                        {m: [[row for window in s["orders"] for row in window] for s in rs] for m, rs in ranks.items()},
                        {m: module_costs(batches, m, cost) for m in dps}, dps, groups=canonical_grid(list(dps.values())),
                        balancer=args.balancer)
-    return dict(case="ok", micro_batches=n, max_elapsed_s=max(s["elapsed"] for s in everyone))
+    verified = [s["verified"] for s in everyone]
+    assert not args.verify or min(verified) > 0, f"--verify {args.verify}: windows verified per rank {verified}"
+    return dict(case="ok", micro_batches=n, max_elapsed_s=max(s["elapsed"] for s in everyone),
+                verified_windows=verified if args.verify else None)
 
 
 def parse(argv=None):

@@ -321,16 +321,23 @@ def test_verify_cost_bench_sums_every_micro_batch_of_a_wider_window(tmp_path):
 
 def test_verify_cost_bench_ablate_leaves_out_one_part_of_the_check_a_row(tmp_path):
     """--ablate: every-window rows without the comparison, without the read-back (and so the
-    comparison), and without the launch (zeros summed, still read back and compared)."""
-    rows = _verify_cost(tmp_path, "--ablate")["settings"]
-    assert list(rows)[3:] == ["every window, no comparison", "every window, no read-back", "every window, no launch"]
+    comparison), without the launch (zeros summed, still read back and compared), and with the
+    assembled outputs alone summed (one call a window, its micro-batches once, nothing read back)."""
+    got = _verify_cost(tmp_path, "--ablate")
+    rows = got["settings"]
+    assert list(rows)[3:] == ["every window, no comparison", "every window, no read-back", "every window, no launch",
+                              "every window, assembled only"]
     parts = {name: r["host_us_by_part"] for name, r in rows.items() if r["verify"]}
     assert parts["every window"]["comparison"] > 0 and parts["every window"]["read-back"] > 0
     assert parts["every window, no comparison"]["comparison"] == 0 and parts["every window, no comparison"]["read-back"] > 0
     assert parts["every window, no read-back"]["comparison"] == 0 and parts["every window, no read-back"]["read-back"] == 0
     assert parts["every window, no launch"]["comparison"] > 0
     assert rows["every window, no launch"]["checksum_calls"] >= 3 and rows["every window, no launch"]["checksum_samples"] > 0
-    assert [r["path"] for r in rows.values()] == [None] + ["kernel"] * 4 + ["zeros"]
+    assembled = rows["every window, assembled only"]
+    assert parts["every window, assembled only"]["comparison"] == 0 and parts["every window, assembled only"]["read-back"] == 0
+    assert assembled["checksum_samples"] == assembled["checksum_calls"] * got["window"] * got["micro_batch"]
+    assert assembled["checksum_calls"] == rows["every window"]["checksum_calls"]
+    assert [r["path"] for r in rows.values()] == [None] + ["kernel"] * 4 + ["zeros", "kernel"]
 
 
 def test_verify_cost_bench_early_sources_sums_the_sources_before_the_executor_reads_them(tmp_path):
