@@ -45,6 +45,18 @@ def test_overlap_meeting_before_each_all_to_all(layout):
     assert result["case"] == "ok" and result["micro_batches"] == 5
 
 
+@pytest.mark.parametrize("window,verify", [(1, 1), (2, 2)])
+def test_self_check_in_a_heterogeneous_world(window, verify):
+    """The runtime self-check on every `verify`-th window of both modules, in real processes with
+    overlap: no false alarm, every rank verified windows (the suite refuses a run where some rank
+    verified none), at most one a checked window."""
+    result = gloo_suite.launch(["--vision-dp", "2", "--language-dp", "4", "--micro-batch", "8", "--window", str(window),
+                                "--verify", str(verify), "--micro-batches", "7"], 6)
+    assert result["case"] == "ok" and result["micro_batches"] == 7
+    checked = len(range(0, -(-7 // window), verify))
+    assert len(result["verified_windows"]) == 6 and all(0 < n <= checked for n in result["verified_windows"])
+
+
 @pytest.mark.parametrize("layout", [(2, 4, 8), (1, 2, 4), (2, 2, 8)], ids=lambda x: f"v{x[0]}l{x[1]}")
 def test_bridge_sends_each_language_rank_its_own_samples(layout):
     """--bridge: vision ranks send their samples' ids point-to-point to the language ranks they feed, by
