@@ -8,7 +8,8 @@ Launch with torchrun (env:// rendezvous), e.g.
 or from Python with `launch(...)` (fork start, FileStore), as tests/test_functional_gloo.py does.
 
 --report-dir DIR: every rank writes DIR/rank<N>.json (module, DP rank, micro-batches served, error)
-as soon as its stream ends, before any world-wide step, so a test sees every rank, even when peers die.
+as soon as its stream ends, before its buffer closes and any world-wide step, so a test sees every
+rank, even when peers die.
 --bridge: after each micro-batch, every vision rank sends the sample ids it holds to the language
 ranks it feeds, by position (point-to-point on the world group, fan-out language dp / vision dp), as
 MIMO's BridgeCommunicator sends embeddings; each language rank checks they are its own (I4).
@@ -138,25 +139,26 @@ def run(args, placed=None) -> dict:
     buf = ReorderingBuffer(source, ex, overlap=args.overlap)
     t0 = time.perf_counter()
     try:
-        for mb in buf:
-            outs.append(mb)
-            if args.bridge and dv:
-                bridge(mb, module, grid.rank, dv, dl)
-    except Exception as e:  # noqa: BLE001 - checked below
-        seen_error = e
+        try:
+            for mb in buf:
+                outs.append(mb)
+                if args.bridge and dv:
+                    bridge(mb, module, grid.rank, dv, dl)
+        except Exception as e:  # noqa: BLE001 - checked below
+            seen_error = e
+        error = None if seen_error is None else f"{type(seen_error).__name__}: {seen_error}"
+        if args.report_dir:  # before the close, which waits for the worker: a launcher's SIGTERM may end that wait
+            with open(os.path.join(args.report_dir, f"rank{me}.json"), "w") as f:
+                json.dump(dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs), error=error), f)
     finally:
         buf.close()
     elapsed = time.perf_counter() - t0
     if args.overlap:
         assert not buf.worker_alive, "overlap worker thread still alive after the stream ended"
     # everyone reports what it saw; rank 0 compares across modules
-    summary = dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs),
-                   error=None if seen_error is None else f"{type(seen_error).__name__}: {seen_error}",
+    summary = dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs), error=error,
                    ids=[o["sample_id"].tolist() for o in outs],
                    orders=[r.orders.tolist() for r in buf.reports], elapsed=elapsed, verified=ex.verified_windows)
-    if args.report_dir:
-        with open(os.path.join(args.report_dir, f"rank{me}.json"), "w") as f:
-            json.dump({k: summary[k] for k in ("rank", "module", "dp_rank", "n", "error")}, f)
     if args.uncaught and seen_error is not None:
         raise seen_error
     if args.case == "lost_peer":  # the last rank died: its module's survivors raise, in time

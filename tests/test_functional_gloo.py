@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import faults
 
@@ -114,6 +115,26 @@ def test_faults_raise_on_every_rank(case, overlap, tmp_path):
     if "errors" in result:  # rank 0's view of the faulty module: one error on every rank, a ReorderError
         assert len(result["errors"]) == 1
         next(s for s in case.sees if s.error == "ReorderError").check(result["errors"][0])
+
+
+def test_a_rank_reports_before_its_buffer_closes(tmp_path, monkeypatch):
+    """Every rank's report is on disk before its buffer's close begins: close joins the overlap
+    worker, which can take a while (a worker in a collective whose peers are gone), and under
+    torchrun the launcher's SIGTERM may end the rank in that wait (the fault record's "language: no
+    rank reported" under load). Each forked rank's close notes whether its report was there."""
+    from reorder.runtime import buffer
+
+    def close(self, timeout=30.0):
+        rank = torch.distributed.get_rank()
+        (tmp_path / f"closed{rank}").write_text(str((tmp_path / f"rank{rank}.json").exists()))
+        return opened(self, timeout)
+
+    opened = buffer.ReorderingBuffer.close
+    monkeypatch.setattr(buffer.ReorderingBuffer, "close", close)  # the forked ranks inherit it
+    result = gloo_suite.launch(["--vision-dp", "1", "--language-dp", "2", "--micro-batch", "4", "--micro-batches", "3",
+                                "--report-dir", str(tmp_path)], 3)
+    assert result["case"] == "ok"
+    assert {p.name: p.read_text() for p in tmp_path.glob("closed*")} == {f"closed{r}": "True" for r in range(3)}
 
 
 def _alive(pid: int) -> bool:
