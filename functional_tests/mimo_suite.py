@@ -1043,6 +1043,7 @@ def summarize(folder) -> int:
                       f"mean max/mean spread {r['image_token_spread_off']:.3f} -> {r['image_token_spread_on']:.3f}",
                       f"  accounting: on {r['accounting_on']}, off {r['accounting_off']}",
                       f"  losses off {fmt(r['losses_off'])}", f"  losses on  {fmt(r['losses_on'])}"]
+            lines += self_check_lines(r)
         elif r["test"] == "resume":
             lines += resume_lines(f"{head} {name}", r)
         elif r["test"] in LAYOUT_DEFAULTS:
@@ -1062,6 +1063,7 @@ def summarize(folder) -> int:
                       f"{r['image_embedding_mismatches']['bad']}, {r['misaligned_control_misrouted_micro_batches']} "
                       f"language micro-batches got another row count than their placeholders, iteration-1 loss off by "
                       f"{r['misaligned_control_rel_diff']:.3e} relative"]
+            lines += self_check_lines(r)
             lines += resume_lines("PASS resume" if r["resume"]["ok"] else "FAIL resume", r["resume"], "  ")
         elif r["test"] == "soak":
             head = f"{head} {name} ({r['layout']}, CUDA_DEVICE_MAX_CONNECTIONS={r['cdmc']})"
@@ -1081,6 +1083,14 @@ def summarize(folder) -> int:
     lines.append("RESULT " + ("all passed" if not bad else "failed: " + ", ".join(bad)))
     print("\n".join(lines))
     return 1 if bad else 0
+
+
+def self_check_lines(r: dict) -> list:
+    """The summary's line of a run's self-check (reorder on): every N-th window, what each rank verified."""
+    if not r.get("verify"):
+        return ["  self-check off"]
+    return [f"  self-check every {r['verify']} window(s), reorder on: windows found intact per rank "
+            f"{r['verified_windows_on']}"]
 
 
 def main(argv=None):
