@@ -30,6 +30,7 @@ import mmap
 import operator
 import os
 import struct
+import threading
 import types
 
 import numpy as np
@@ -296,8 +297,9 @@ class Graphs:
         self._turn = {}
 
     def take(self, device: torch.device, size: int) -> "_Captured | None":
-        """The next captured block of at least `size` words on `device` (None once capturing has failed)."""
-        if not _CAPTURE[0]:
+        """The next captured block of at least `size` words on `device` (None once capturing has
+        failed, and on a thread that `uncaptured_here` marked)."""
+        if not _CAPTURE[0] or getattr(_THREAD, "uncaptured", False):
             return None
         key = (device.index, max(512, 1 << (size - 1).bit_length()))
         slots = self._slots.get(key)
@@ -309,6 +311,17 @@ class Graphs:
 
 
 _CAPTURE = [True]  # [False] once a graph could not be captured (logged once)
+_THREAD = threading.local()  # .uncaptured: this thread's launches are never captured (`uncaptured_here`)
+
+
+def uncaptured_here() -> None:
+    """Never capture a checksum launch on the calling thread: one that runs windows beside the
+    training's own device work (the overlap worker). A device-wide synchronize on another thread
+    (Megatron's batched P2P does one after its sends) invalidates a capture in progress on the same
+    device, whatever the capture's mode: on such a thread a capture could fail at any time. Its
+    launches run uncaptured (two host calls more each); a thread that runs windows between its own
+    steps still captures."""
+    _THREAD.uncaptured = True
 _REGISTERED = []  # (host memory, device block) of every block registered with CUDA: kept to the end of the process
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from reorder.batch.blocks import resolved
+from reorder.batch.checksum import uncaptured_here
 from reorder.batch.layout import tensors
 from reorder.exchange.exchanger import WindowExchanger, WindowReport
 
@@ -344,6 +345,7 @@ class ReorderingBuffer(_Consumption):
 
     def _worker(self, device):
         cuda = device is not None and device.type == "cuda"
+        uncaptured_here()  # beside the consumer's steps, which may synchronize the device
         try:
             if cuda:
                 torch.cuda.set_device(device)

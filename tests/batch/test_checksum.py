@@ -375,6 +375,27 @@ def test_captured_blocks_are_taken_in_turn_per_device_and_size(monkeypatch):
     assert graphs.take(d0, 600) is None
 
 
+def test_a_thread_marked_uncaptured_takes_no_captured_block(monkeypatch):
+    """`uncaptured_here` marks the calling thread alone: `Graphs.take` gives none there (its
+    launches run uncaptured), while other threads, before and after, take captured blocks."""
+    import threading
+
+    monkeypatch.setattr(cs, "_CAPTURE", [True])
+    graphs, d0, got = cs.Graphs(), torch.device("cuda", 0), []
+
+    def beside():
+        got.append(graphs.take(d0, 600))
+        cs.uncaptured_here()
+        got.extend([graphs.take(d0, 600), graphs.take(d0, 5000)])
+
+    before = graphs.take(d0, 600)
+    thread = threading.Thread(target=beside)
+    thread.start()
+    thread.join()
+    assert before is not None and got[0] is not None and got[1:] == [None, None]
+    assert graphs.take(d0, 600) is not None  # this thread is not marked
+
+
 def test_a_captured_launch_is_replayed_only_with_its_constants(monkeypatch):
     """A block's first launch captures its graph and runs uncaptured (False); later launches with
     the same constants replay it (True), with other constants run uncaptured."""

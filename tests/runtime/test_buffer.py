@@ -242,3 +242,33 @@ def test_the_overlap_worker_takes_the_consumers_current_device_for_cuda_without_
         with ReorderingBuffer(iter([batch]), ex, overlap=True) as buf:
             next(buf)
     assert seen == [("reorder-overlap", torch.device("cuda", 3))]
+
+
+def test_the_overlap_worker_never_captures_a_checksum_launch(monkeypatch):
+    """The overlap worker runs windows beside the training's own device work, whose device-wide
+    synchronizes (Megatron's batched P2P after its sends) invalidate a CUDA graph capture in progress
+    on any thread of the device: its checksum launches are never captured (`checksum.Graphs.take`
+    gives none there), while the consumer's thread, and a window the consumer runs itself, still take
+    captured blocks."""
+    import torch
+
+    from reorder.batch import checksum
+
+    monkeypatch.setattr(checksum, "_CAPTURE", [True])
+    graphs, taken = checksum.Graphs(), {}
+    ex = WindowExchanger(grid=Grid(size=2, dp=1, rank=0), micro_batch_size=4, verify=1,
+                         cost=CostModel(image_token_id=syn.IMAGE_TOKEN, vision_start_token_id=syn.VISION_START))
+    exchange = ex.exchange
+
+    def probing(*a, **k):  # what a checksum launch of this window's thread would take
+        taken.setdefault(threading.current_thread().name, set()).add(
+            graphs.take(torch.device("cuda", 0), 600) is not None)
+        return exchange(*a, **k)
+
+    monkeypatch.setattr(ex, "exchange", probing)
+    rng = np.random.default_rng(2)
+    batches = [syn.make_global_batch(rng, 4, 64, features=4, mix="small", first_id=4 * k) for k in range(4)]
+    with ReorderingBuffer(iter(batches), ex, overlap=True) as buf:
+        assert len(list(buf)) == 4
+    assert taken.get("reorder-overlap") == {False}, taken
+    assert graphs.take(torch.device("cuda", 0), 600) is not None  # the consumer's thread still captures
