@@ -442,17 +442,20 @@ class TestVerifyCostTable(expecttest.TestCase):
         from bench.verify_cost_table import table
 
         runs = [json.loads(f.read_text()) for f in
-                sorted((ROOT / "functional_tests/results/selfcheck/h100_9c30281").glob("cost_*_w[18].json"))]
+                sorted((ROOT / "functional_tests/results/selfcheck/h100_640abaf").glob("cost_*_w[148].json"))]
         rendered = table(runs)
         self.assertExpectedInline(rendered, """\
 | micro-batches | W | off: host / device ms | every window: host, device | every 100th: host, device | off: GPU busy ms | every window: GPU busy |
 |---|---:|---:|---:|---:|---:|---:|
-| pinned host memory, read in place | 1 | 1.58 / 3.16 | 1.14×, 1.46× | 1.00×, 0.99× | 1.727 | 2.00× |
-| pinned host memory, read in place | 8 | 6.75 / 19.82 | 1.05×, 1.62× | 0.99×, 1.00× | 13.262 | 2.00× |
-| pinned host memory, copied early (`early_copy`) | 1 | 1.56 / 1.60 | 1.09×, 1.08× | 1.00×, 1.00× | 1.123 | 1.08× |
-| pinned host memory, copied early (`early_copy`) | 8 | 7.27 / 8.84 | 1.04×, 1.06× | 1.00×, 1.00× | 8.632 | 1.06× |
-| on the GPU | 1 | 1.35 / 1.33 | 1.09×, 1.10× | 0.98×, 0.99× | 0.055 | 2.63× |
-| on the GPU | 8 | 5.43 / 5.57 | 1.04×, 1.09× | 0.98×, 0.99× | 0.424 | 2.18× |""")
+| pinned host memory, read in place | 1 | 2.44 / 3.45 | 1.12×, 1.23× | 1.00×, 0.99× | 1.153 | 2.04× |
+| pinned host memory, read in place | 4 | 6.24 / 10.47 | 1.06×, 1.36× | 1.02×, 1.00× | 4.407 | 2.03× |
+| pinned host memory, read in place | 8 | 7.92 / 16.68 | 1.05×, 1.49× | 0.99×, 1.00× | 8.807 | 2.02× |
+| pinned host memory, copied early (`early_copy`) | 1 | 2.09 / 2.31 | 1.08×, 1.07× | 0.99×, 0.99× | 1.114 | 1.08× |
+| pinned host memory, copied early (`early_copy`) | 4 | 5.16 / 5.10 | 1.03×, 1.04× | 1.00×, 1.00× | 4.307 | 1.06× |
+| pinned host memory, copied early (`early_copy`) | 8 | 12.78 / 12.82 | 1.03×, 1.03× | 1.00×, 1.00× | 8.630 | 1.06× |
+| on the GPU | 1 | 2.05 / 2.09 | 1.11×, 1.09× | 1.01×, 1.00× | 0.055 | 2.61× |
+| on the GPU | 4 | 3.99 / 4.50 | 1.06×, 1.05× | 1.00×, 0.99× | 0.213 | 2.20× |
+| on the GPU | 8 | 6.58 / 7.60 | 1.05×, 1.08× | 0.99×, 1.01× | 0.425 | 2.16× |""")
         self.assertIn(rendered, (ROOT / "README.md").read_text())
 
     def test_a_table_of_jsons_without_and_with_a_gpu_busy_time(self):
@@ -506,8 +509,8 @@ def test_the_readme_step_cost_table_from_the_committed_jsons():
     """Each cell of the README's training-step table (every window against the check off, per
     overlap) is its committed JSON's medians and ratio, as written there."""
     readme = (ROOT / "README.md").read_text()
-    runs = sorted((ROOT / "functional_tests/results/selfcheck/step_cost_44f941e").glob("step_*.json"))
-    assert len(runs) == 3
+    runs = sorted((ROOT / "functional_tests/results/selfcheck/h100_640abaf").glob("step_*.json"))
+    assert len(runs) == 4
     for f in runs:
         rows = json.loads(f.read_text())["settings"]
         cells = [f"{rows[f'overlap {o}, every window']['step_ms']:.2f} against "
