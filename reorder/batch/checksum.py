@@ -311,6 +311,7 @@ class Graphs:
 
 
 _CAPTURE = [True]  # [False] once a graph could not be captured (logged once)
+_REGISTERED = []  # (host memory, device block) of every block registered with CUDA: kept to the end of the process
 _THREAD = threading.local()  # .uncaptured: this thread's launches are never captured (`uncaptured_here`)
 
 
@@ -322,7 +323,6 @@ def uncaptured_here() -> None:
     launches run uncaptured (two host calls more each); a thread that runs windows between its own
     steps still captures."""
     _THREAD.uncaptured = True
-_REGISTERED = []  # (host memory, device block) of every block registered with CUDA: kept to the end of the process
 
 
 class _Captured:

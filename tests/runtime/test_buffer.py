@@ -248,8 +248,7 @@ def test_the_overlap_worker_never_captures_a_checksum_launch(monkeypatch):
     """The overlap worker runs windows beside the training's own device work, whose device-wide
     synchronizes (Megatron's batched P2P after its sends) invalidate a CUDA graph capture in progress
     on any thread of the device: its checksum launches are never captured (`checksum.Graphs.take`
-    gives none there), while the consumer's thread, and a window the consumer runs itself, still take
-    captured blocks."""
+    gives none there), while the consumer's thread still takes captured blocks."""
     import torch
 
     from reorder.batch import checksum
