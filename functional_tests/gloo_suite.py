@@ -146,18 +146,18 @@ def run(args, placed=None) -> dict:
                     bridge(mb, module, grid.rank, dv, dl)
         except Exception as e:  # noqa: BLE001 - checked below
             seen_error = e
-        error = None if seen_error is None else f"{type(seen_error).__name__}: {seen_error}"
+        report = dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs),
+                      error=None if seen_error is None else f"{type(seen_error).__name__}: {seen_error}")
         if args.report_dir:  # before the close, which waits for the worker: a launcher's SIGTERM may end that wait
             with open(os.path.join(args.report_dir, f"rank{me}.json"), "w") as f:
-                json.dump(dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs), error=error), f)
+                json.dump(report, f)
     finally:
         buf.close()
     elapsed = time.perf_counter() - t0
     if args.overlap:
         assert not buf.worker_alive, "overlap worker thread still alive after the stream ended"
     # everyone reports what it saw; rank 0 compares across modules
-    summary = dict(rank=me, module=module, dp_rank=grid.rank, n=len(outs), error=error,
-                   ids=[o["sample_id"].tolist() for o in outs],
+    summary = dict(report, ids=[o["sample_id"].tolist() for o in outs],
                    orders=[r.orders.tolist() for r in buf.reports], elapsed=elapsed, verified=ex.verified_windows)
     if args.uncaught and seen_error is not None:
         raise seen_error
