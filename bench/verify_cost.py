@@ -211,7 +211,8 @@ def device_busy(ex: dict, impl: dict, window_of, first: int, n: int, dev) -> dic
 
 
 def add_input_args(p: argparse.ArgumentParser) -> None:
-    """The device and the micro-batches' arguments, which `inputs_of` and `micro_batches` read."""
+    """The device and the micro-batches' arguments, which `inputs_of` and `micro_batches` read, and
+    --early-copy (where the exchangers copy them to the device)."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--inputs", help="where the micro-batches are: pinned (host memory, the default on CUDA) or "
                                     "device (on the GPU already); host elsewhere")
@@ -219,6 +220,8 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--features", type=int, default=1176)
     p.add_argument("--mix", default="realistic")
+    p.add_argument("--early-copy", action="store_true", help="the exchangers copy each micro-batch to the device "
+                                                             "as they count it (early_copy=True)")
 
 
 def inputs_of(p: argparse.ArgumentParser, args, cuda: bool) -> str:
@@ -248,8 +251,6 @@ def main():
     p.add_argument("--window", type=int, default=1, help="micro-batches per window (at most 8)")
     p.add_argument("--windows", type=int, default=200, help="timed windows per row")
     p.add_argument("--warmup", type=int, default=10, help="untimed windows per row first (Triton compiles, caches fill)")
-    p.add_argument("--early-copy", action="store_true", help="the exchangers copy each micro-batch to the device "
-                                                             "as they count it (early_copy=True)")
     p.add_argument("--paths", help="checksum paths, comma-separated: kernel, torch (default: both on CUDA, "
                                    "kernel elsewhere)")
     p.add_argument("--ablate", action="store_true", help="every-window rows with a part of the check left out")

@@ -10,7 +10,7 @@ the consumer's host runs ahead of the GPU unless the window waits for it), and i
 GPU with the step's. The step's work is bf16 matmuls (float32 on the CPU) sized to --step-ms per
 micro-batch, reading the micro-batch (a sum of its input_ids), with nothing synchronizing the host.
 
-  PYTHONPATH=. python bench/verify_step_cost.py [--device cuda] [--inputs pinned|device] [--window 1]
+  PYTHONPATH=. python bench/verify_step_cost.py [--device cuda] [--inputs pinned|device] [--early-copy] [--window 1]
                                                 [--step-ms 10] [--steps 40] [--blocks 6] [--json F]
 
 Prints one row per setting: median ms a step over the blocks (CUDA events around a block on the
@@ -82,7 +82,8 @@ def main():
     ex, bufs, its = {}, [], {}
     for name, overlap, verify in ROWS:
         ex[name] = WindowExchanger(grid=Grid(size=4, dp=1, rank=0), micro_batch_size=args.micro_batch, cost=cost,
-                                   window_size=args.window, device=dev, verify=verify)
+                                   window_size=args.window, device=dev, verify=verify,
+                                   early_copy=args.early_copy)
         bufs.append(ReorderingBuffer(itertools.cycle(batches), ex[name], overlap=overlap))
         its[name] = iter(bufs[-1])
     ms = {name: [] for name, _, _ in ROWS}
@@ -110,16 +111,17 @@ def main():
         base = float(np.median(ms[f"overlap {'on' if overlap else 'off'}, check off"]))
         m = float(np.median(ms[name]))
         rows[name] = dict(overlap=overlap, verify=verify, step_ms=m, ratio=m / base, blocks_ms=ms[name],
-                          verified_windows=ex[name].verified_windows)
-    print(f"micro-batches: {inputs}, {args.window} per window of {args.micro_batch} samples; the step's own work "
+                          verified_windows=ex[name].verified_windows, early_copy=ex[name].early_copy)
+    print(f"micro-batches: {inputs}{', copied early' if args.early_copy else ''}, {args.window} per window of "
+          f"{args.micro_batch} samples; the step's own work "
           f"{work.n} matmuls of {args.matmul} (~{args.step_ms} ms a micro-batch); {args.blocks} blocks of "
           f"{args.steps} steps a row, {'device' if cuda else 'host'} time")
     print(f"{'setting':28} {'ms a step':>10} {'x check off':>12} {'windows verified':>17}")
     for name, r in rows.items():
         print(f"{name:28} {r['step_ms']:10.3f} {r['ratio']:12.3f} {r['verified_windows']:>17}")
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(), inputs=inputs,
-               window=args.window, micro_batch=args.micro_batch, seq_len=args.seq_len, features=args.features,
-               mix=args.mix, step_ms=args.step_ms, matmuls=work.n, matmul=args.matmul, steps=args.steps,
+               early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch, seq_len=args.seq_len,
+               features=args.features, mix=args.mix, step_ms=args.step_ms, matmuls=work.n, matmul=args.matmul, steps=args.steps,
                blocks=args.blocks, settings=rows)
     if args.json:
         with open(args.json, "w") as f:

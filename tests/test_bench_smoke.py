@@ -295,8 +295,16 @@ def test_verify_step_cost_bench_times_training_steps_with_and_without_the_check(
         # 3 blocks of 4 steps: 6 windows of 2 served (the overlap thread prepares one more); a window
         # that moves nothing holds nothing to check, the others are compared at the next window
         assert 0 < r["verified_windows"] <= 7 if r["verify"] else r["verified_windows"] == 0
+        assert r["early_copy"] is False
     res = subprocess.run(cmd[:-2] + ["--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "--steps 3: expected a multiple of --window 2" in res.stderr
+    # --early-copy: every row's exchanger copies the micro-batches as it counts them, the check still verifies
+    res = subprocess.run(cmd + ["--early-copy"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["early_copy"] is True and "copied early" in res.stdout
+    assert all(r["early_copy"] is True and (r["verified_windows"] > 0) == bool(r["verify"])
+               for r in got["settings"].values())
 
 
 def test_verify_cost_bench_sums_every_micro_batch_of_a_wider_window(tmp_path):
