@@ -517,8 +517,8 @@ def test_the_readme_step_cost_table_from_the_committed_jsons():
     """Each cell of the README's training-step table (every window against the check off, per
     overlap) is its committed JSON's medians and ratio, as written there."""
     readme = (ROOT / "README.md").read_text()
-    runs = sorted((ROOT / "functional_tests/results/selfcheck/h100_640abaf").glob("step_*.json"))
-    assert len(runs) == 4
+    runs = sorted((ROOT / "functional_tests/results/selfcheck/h100_2c428a2").glob("step_*.json"))
+    assert len(runs) == 6
     for f in runs:
         rows = json.loads(f.read_text())["settings"]
         cells = [f"{rows[f'overlap {o}, every window']['step_ms']:.2f} against "
