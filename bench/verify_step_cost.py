@@ -10,8 +10,8 @@ the consumer's host runs ahead of the GPU unless the window waits for it), and i
 GPU with the step's. The step's work is bf16 matmuls (float32 on the CPU) sized to --step-ms per
 micro-batch, reading the micro-batch (a sum of its input_ids), with nothing synchronizing the host.
 
-  PYTHONPATH=. python bench/verify_step_cost.py [--device cuda] [--inputs pinned|device] [--early-copy] [--window 1]
-                                                [--step-ms 10] [--steps 40] [--blocks 6] [--json F]
+  PYTHONPATH=. python bench/verify_step_cost.py [--device cuda] [--inputs pinned|device] [--early-copy]
+                                                [--window 1] [--step-ms 10] [--steps 40] [--blocks 6] [--json F]
 
 Prints one row per setting: median ms a step over the blocks (CUDA events around a block on the
 consumer's stream, the host synchronized at block ends only; elsewhere host time), its ratio to the
@@ -121,8 +121,8 @@ def main():
         print(f"{name:28} {r['step_ms']:10.3f} {r['ratio']:12.3f} {r['verified_windows']:>17}")
     out = dict(device=torch.cuda.get_device_name(dev) if cuda else cpu_name(), commit=code_commit(), inputs=inputs,
                early_copy=args.early_copy, window=args.window, micro_batch=args.micro_batch, seq_len=args.seq_len,
-               features=args.features, mix=args.mix, step_ms=args.step_ms, matmuls=work.n, matmul=args.matmul, steps=args.steps,
-               blocks=args.blocks, settings=rows)
+               features=args.features, mix=args.mix, step_ms=args.step_ms, matmuls=work.n, matmul=args.matmul,
+               steps=args.steps, blocks=args.blocks, settings=rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
