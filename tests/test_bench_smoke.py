@@ -442,6 +442,11 @@ def test_verify_cost_device_busy_profiles_every_row_s_windows():
     assert round_module.window_checksums is checksum.window_checksums
 
 
+def _cost_run(folder) -> list:
+    """The parsed JSONs of one run of ci/selfcheck_cost.sh (cost_*_w{1,4,8}.json in `folder`)."""
+    return [json.loads(f.read_text()) for f in sorted(folder.glob("cost_*_w[148].json"))]
+
+
 class TestVerifyCostTable(expecttest.TestCase):
     def test_the_readme_table_from_the_committed_jsons(self):
         """bench/verify_cost_table.py over the JSONs of the README's cost table: the README holds
@@ -449,22 +454,64 @@ class TestVerifyCostTable(expecttest.TestCase):
         sys.path.insert(0, str(ROOT))
         from bench.verify_cost_table import table
 
-        runs = [json.loads(f.read_text()) for f in
-                sorted((ROOT / "functional_tests/results/selfcheck/h100_640abaf").glob("cost_*_w[148].json"))]
-        rendered = table(runs)
+        rendered = table(_cost_run(ROOT / "functional_tests/results/selfcheck/h100_e21b621/cost1"))
         self.assertExpectedInline(rendered, """\
 | micro-batches | W | off: host / device ms | every window: host, device | every 100th: host, device | off: GPU busy ms | every window: GPU busy |
 |---|---:|---:|---:|---:|---:|---:|
-| pinned host memory, read in place | 1 | 2.44 / 3.45 | 1.12×, 1.23× | 1.00×, 0.99× | 1.153 | 2.04× |
-| pinned host memory, read in place | 4 | 6.24 / 10.47 | 1.06×, 1.36× | 1.02×, 1.00× | 4.407 | 2.03× |
-| pinned host memory, read in place | 8 | 7.92 / 16.68 | 1.05×, 1.49× | 0.99×, 1.00× | 8.807 | 2.02× |
-| pinned host memory, copied early (`early_copy`) | 1 | 2.09 / 2.31 | 1.08×, 1.07× | 0.99×, 0.99× | 1.114 | 1.08× |
-| pinned host memory, copied early (`early_copy`) | 4 | 5.16 / 5.10 | 1.03×, 1.04× | 1.00×, 1.00× | 4.307 | 1.06× |
-| pinned host memory, copied early (`early_copy`) | 8 | 12.78 / 12.82 | 1.03×, 1.03× | 1.00×, 1.00× | 8.630 | 1.06× |
-| on the GPU | 1 | 2.05 / 2.09 | 1.11×, 1.09× | 1.01×, 1.00× | 0.055 | 2.61× |
-| on the GPU | 4 | 3.99 / 4.50 | 1.06×, 1.05× | 1.00×, 0.99× | 0.213 | 2.20× |
-| on the GPU | 8 | 6.58 / 7.60 | 1.05×, 1.08× | 0.99×, 1.01× | 0.425 | 2.16× |""")
+| pinned host memory, read in place | 1 | 2.00 / 3.07 | 1.11×, 1.28× | 0.97×, 0.99× | 1.151 | 2.04× |
+| pinned host memory, read in place | 4 | 6.05 / 10.29 | 1.07×, 1.37× | 1.02×, 1.00× | 4.405 | 2.03× |
+| pinned host memory, read in place | 8 | 10.60 / 19.12 | 1.05×, 1.41× | 1.00×, 1.00× | 8.804 | 2.02× |
+| pinned host memory, copied early (`early_copy`) | 1 | 2.61 / 2.65 | 1.07×, 1.08× | 1.00×, 0.99× | 1.123 | 1.07× |
+| pinned host memory, copied early (`early_copy`) | 4 | 6.53 / 6.53 | 1.06×, 1.05× | 1.00×, 1.00× | 4.306 | 1.06× |
+| pinned host memory, copied early (`early_copy`) | 8 | 12.59 / 12.69 | 1.04×, 1.03× | 1.00×, 1.00× | 8.623 | 1.06× |
+| on the GPU | 1 | 1.50 / 1.54 | 1.09×, 1.09× | 0.98×, 0.99× | 0.055 | 2.61× |
+| on the GPU | 4 | 4.84 / 5.11 | 1.07×, 1.06× | 1.00×, 1.00× | 0.212 | 2.21× |
+| on the GPU | 8 | 9.54 / 9.93 | 1.04×, 1.05× | 0.99×, 0.98× | 0.421 | 2.18× |""")
         self.assertIn(rendered, (ROOT / "README.md").read_text())
+
+    def test_the_readme_spread_over_three_runs(self):
+        """The README's spread of the every-window ratios over three runs of the cost table on one
+        machine, as rendered from their committed JSONs."""
+        sys.path.insert(0, str(ROOT))
+        from bench.verify_cost_table import spread
+
+        at = ROOT / "functional_tests/results/selfcheck/h100_e21b621"
+        rendered = spread([_cost_run(at / f"cost{k}") for k in (1, 2, 3)])
+        self.assertExpectedInline(rendered, """\
+| micro-batches | W | every window: host | every window: device | within both targets |
+|---|---:|---:|---:|---:|
+| pinned host memory, read in place | 1 | 1.114×–1.162× | 1.235×–1.283× | 0 of 3 |
+| pinned host memory, read in place | 4 | 1.055×–1.070× | 1.358×–1.399× | 0 of 3 |
+| pinned host memory, read in place | 8 | 1.042×–1.047× | 1.364×–1.446× | 0 of 3 |
+| pinned host memory, copied early (`early_copy`) | 1 | 1.071×–1.093× | 1.072×–1.093× | 0 of 3 |
+| pinned host memory, copied early (`early_copy`) | 4 | 1.039×–1.061× | 1.038×–1.054× | 2 of 3 |
+| pinned host memory, copied early (`early_copy`) | 8 | 1.015×–1.044× | 1.034×–1.041× | 3 of 3 |
+| on the GPU | 1 | 1.088×–1.109× | 1.092×–1.102× | 0 of 3 |
+| on the GPU | 4 | 1.060×–1.069× | 1.061×–1.091× | 0 of 3 |
+| on the GPU | 8 | 1.044×–1.063× | 1.054×–1.075× | 0 of 3 |""")
+        self.assertIn(rendered, (ROOT / "README.md").read_text())
+
+    def test_the_spread_counts_a_run_within_both_targets_at_their_edges(self):
+        """A run counts when host <= 1.10x and device <= 1.05x, both; just over either does not; the
+        range spans every run, and a setting missing from a run is counted over the runs that hold it."""
+        sys.path.insert(0, str(ROOT))
+        from bench.verify_cost_table import TARGET_DEVICE, TARGET_HOST, spread
+
+        base = json.loads((ROOT / "functional_tests/results/selfcheck/cost_ef733b5/cost_device_w1.json").read_text())
+        other = json.loads((ROOT / "functional_tests/results/selfcheck/cost_ef733b5/cost_device_w8.json").read_text())
+
+        def at(host, device):
+            run = json.loads(json.dumps(base))
+            run["settings"]["every window"].update(host_ratio=host, device_ratio=device)
+            return run
+
+        runs = [[at(TARGET_HOST, TARGET_DEVICE), other], [at(TARGET_HOST, TARGET_DEVICE + 1e-9)],
+                [at(TARGET_HOST + 1e-9, 1.0)], [at(1.0, 1.0)]]
+        self.assertExpectedInline(spread(runs), """\
+| micro-batches | W | every window: host | every window: device | within both targets |
+|---|---:|---:|---:|---:|
+| on the GPU | 1 | 1.000×–1.100× | 1.000×–1.050× | 2 of 4 |
+| on the GPU | 8 | 1.066×–1.066× | 1.101×–1.101× | 0 of 1 |""")
 
     def test_a_table_of_jsons_without_and_with_a_gpu_busy_time(self):
         """The busy columns come from the JSONs that have them (a copy of one row with a GPU busy
