@@ -1,6 +1,8 @@
 """The GPU benchmarks run end to end on CPU/Gloo at toy sizes (2 real processes) and write the JSON
 keys the GPU figures are read from, so they cannot rot between GPU runs. No figure here is a performance result."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -512,6 +514,25 @@ class TestVerifyCostTable(expecttest.TestCase):
 |---|---:|---:|---:|---:|
 | on the GPU | 1 | 1.000×–1.100× | 1.000×–1.050× | 2 of 4 |
 | on the GPU | 8 | 1.066×–1.066× | 1.101×–1.101× | 0 of 1 |""")
+
+    def test_the_command_renders_one_run_as_its_table_and_several_as_their_spread(self):
+        """`python bench/verify_cost_table.py DIR [DIR ...]`: one folder its table, several their
+        spread; a folder without a JSON is refused by name."""
+        sys.path.insert(0, str(ROOT))
+        from bench.verify_cost_table import main, spread, table
+
+        at = ROOT / "functional_tests/results/selfcheck/h100_e21b621"
+        for dirs, want in (([at / "cost1"], table(_cost_run(at / "cost1"))),
+                           ([at / "cost2", at / "cost3"], spread([_cost_run(at / "cost2"), _cost_run(at / "cost3")]))):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                self.assertEqual(main([str(d) for d in dirs]), 0)
+            self.assertEqual(out.getvalue(), want + "\n")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
+            main([str(at / "cost1"), str(at / "nowhere")])
+        self.assertEqual(e.exception.code, 2)
+        self.assertIn("nowhere: no JSON of bench/verify_cost.py there", err.getvalue())
 
     def test_a_table_of_jsons_without_and_with_a_gpu_busy_time(self):
         """The busy columns come from the JSONs that have them (a copy of one row with a GPU busy
