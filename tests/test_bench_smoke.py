@@ -471,26 +471,27 @@ class TestVerifyCostTable(expecttest.TestCase):
 | on the GPU | 8 | 9.54 / 9.93 | 1.04×, 1.05× | 0.99×, 0.98× | 0.421 | 2.18× |""")
         self.assertIn(rendered, (ROOT / "README.md").read_text())
 
-    def test_the_readme_spread_over_four_runs(self):
-        """The README's spread of the every-window ratios over four runs of the cost table (three on
-        one machine, one on a second), as rendered from their committed JSONs."""
+    def test_the_readme_spread_over_five_runs(self):
+        """The README's spread of the every-window ratios over five runs of the cost table (three on
+        one machine, one on a second, one on a third), as rendered from their committed JSONs."""
         sys.path.insert(0, str(ROOT))
         from bench.verify_cost_table import spread
 
-        at = ROOT / "functional_tests/results/selfcheck/h100_e21b621"
-        rendered = spread([_cost_run(at / f"cost{k}") for k in (1, 2, 3, 4)])
+        at = ROOT / "functional_tests/results/selfcheck"
+        folders = [at / f"h100_e21b621/cost{k}" for k in (1, 2, 3, 4)] + [at / "h100_9118219/cost5"]
+        rendered = spread([_cost_run(f) for f in folders])
         self.assertExpectedInline(rendered, """\
 | micro-batches | W | every window: host | every window: device | within both targets |
 |---|---:|---:|---:|---:|
-| pinned host memory, read in place | 1 | 1.114×–1.162× | 1.235×–1.381× | 0 of 4 |
-| pinned host memory, read in place | 4 | 1.055×–1.159× | 1.358×–1.535× | 0 of 4 |
-| pinned host memory, read in place | 8 | 1.042×–1.056× | 1.364×–1.565× | 0 of 4 |
-| pinned host memory, copied early (`early_copy`) | 1 | 1.071×–1.105× | 1.072×–1.093× | 0 of 4 |
-| pinned host memory, copied early (`early_copy`) | 4 | 1.027×–1.061× | 1.038×–1.054× | 3 of 4 |
-| pinned host memory, copied early (`early_copy`) | 8 | 1.015×–1.044× | 1.034×–1.057× | 3 of 4 |
-| on the GPU | 1 | 1.088×–1.120× | 1.092×–1.109× | 0 of 4 |
-| on the GPU | 4 | 1.060×–1.121× | 1.061×–1.091× | 0 of 4 |
-| on the GPU | 8 | 1.044×–1.063× | 1.054×–1.110× | 0 of 4 |""")
+| pinned host memory, read in place | 1 | 1.114×–1.165× | 1.235×–1.381× | 0 of 5 |
+| pinned host memory, read in place | 4 | 1.055×–1.159× | 1.358×–1.535× | 0 of 5 |
+| pinned host memory, read in place | 8 | 1.039×–1.056× | 1.364×–1.565× | 0 of 5 |
+| pinned host memory, copied early (`early_copy`) | 1 | 1.071×–1.105× | 1.072×–1.093× | 0 of 5 |
+| pinned host memory, copied early (`early_copy`) | 4 | 1.027×–1.061× | 1.038×–1.056× | 3 of 5 |
+| pinned host memory, copied early (`early_copy`) | 8 | 1.015×–1.044× | 1.034×–1.057× | 3 of 5 |
+| on the GPU | 1 | 1.088×–1.120× | 1.092×–1.109× | 0 of 5 |
+| on the GPU | 4 | 1.055×–1.121× | 1.061×–1.091× | 0 of 5 |
+| on the GPU | 8 | 1.044×–1.063× | 1.054×–1.110× | 0 of 5 |""")
         self.assertIn(rendered, (ROOT / "README.md").read_text())
 
     def test_the_spread_counts_a_run_within_both_targets_at_their_edges(self):
