@@ -87,17 +87,20 @@ def spread(runs: list, path: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def load_run(folder: Path) -> list:
+    """The parsed JSONs of one run of `ci/selfcheck_cost.sh` in `folder` (every *.json there, by name)."""
+    return [json.loads(f.read_text()) for f in sorted(Path(folder).glob("*.json"))]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path, nargs="+", help="one run's JSONs; several: the spread over the runs")
     p.add_argument("--path", help="the checksum path of JSONs that time several (kernel, torch)")
     args = p.parse_args(argv)
-    runs = []
-    for d in args.dir:
-        found = sorted(d.glob("*.json"))
-        if not found:
+    runs = [load_run(d) for d in args.dir]
+    for d, results in zip(args.dir, runs):
+        if not results:
             p.error(f"{d}: no JSON of bench/verify_cost.py there")
-        runs.append([json.loads(f.read_text()) for f in found])
     print(table(runs[0], args.path) if len(runs) == 1 else spread(runs, args.path))
     return 0
 
